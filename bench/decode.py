@@ -1,0 +1,449 @@
+"""Decode attention: GB/s of KV cache read, jaxflash against cuDNN, XLA, textbook attention
+and JAX's Pallas decode / paged kernels.
+
+The article's method: one compiled function runs the attention of L "layers", each with its
+own cache, at least 512 MiB in all, so every call reads cold from DRAM (a 4 MB cache would
+otherwise sit in the 60 MB L2) and no launch gaps count; time per call = device time / L.
+A compiled function holds at most MAX_SITES layers; past that it rotates between several
+sets of caches (bench.common.ArgSets), which keeps every read cold. Bytes = the K and V
+actually read: valid length x KV heads x head dim x 2 bytes x 2. The ceiling is an XLA
+reduction over 4 GiB measured in the same run.
+
+Rows: batch 1 at 1K, 4K, 16K, 32K, 128K and batch 16 at 4K (12 query heads, 2 KV heads,
+d = 128, bf16, lengths = capacity). Sweeps: Flash-Decoding's chunk count (B=1, 32K and
+128K) and the paged kernel's tile and pipeline depth (B=1, 32K, pages of 16).
+
+  python bench/decode.py [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
+  python bench/decode.py --smoke                               # tiny CPU run, interpret mode
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.common import log  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
+DTYPE = jnp.bfloat16
+MIB = 2**20
+IMPLS = ("jaxflash", "jaxflash_paged16", "jaxflash_paged256", "cudnn", "xla", "naive",
+         "pallas_gqa", "pallas_paged16", "pallas_paged256")
+LABELS = {"jaxflash": "jaxflash", "jaxflash_paged16": "jaxflash paged 16",
+          "jaxflash_paged256": "jaxflash paged 256", "cudnn": "cuDNN (jax.nn)", "xla": "jax.nn xla",
+          "naive": "naive einsum", "pallas_gqa": "JAX Pallas gqa", "pallas_paged16": "JAX Pallas paged 16",
+          "pallas_paged256": "JAX Pallas paged 256"}
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+PAGED_SWEEP = {"block_k": (16, 32, 64), "num_warps": (4,), "num_stages": (2, 3, 4, 5, 6)}
+
+
+# ----------------------------------------------------------------------------- one layer's attention
+# Contiguous: (q [B, 1, N, H], k, v [B, S, K, H], lengths [B]) -> [B, 1, N, H] (or [B, N, H]).
+# Paged: (q, k_pages, v_pages [P, page, K, H], lengths, block_table [B, S / page]).
+
+def jaxflash_decode(num_splits=None):
+  from jaxflash.decode import decode_attention
+  return lambda q, k, v, lengths: decode_attention(q, k, v, lengths, num_splits=num_splits)
+
+
+def jaxflash_paged(config=None):
+  from jaxflash.paged import paged_decode_attention
+  return lambda q, kp, vp, lengths, table: paged_decode_attention(q, kp, vp, lengths, table, config=config)
+
+
+def cudnn_decode(q, k, v, lengths):
+  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
+
+
+def xla_decode(q, k, v, lengths):
+  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="xla")
+
+
+def naive_decode(q, k, v, lengths):
+  """Hugging Face eager attention for one token (matmul, softmax, matmul): K/V repeated to
+  every query head, bf16 scores, fp32 softmax. Lengths = capacity here, so no mask."""
+  del lengths
+  group = q.shape[2] // k.shape[2]
+  k = jnp.repeat(k, group, axis=2)  # [B, S, N, H]
+  v = jnp.repeat(v, group, axis=2)
+  scores = jnp.einsum("btnh,bsnh->bnts", q, k) * (q.shape[-1] ** -0.5)  # [B, N, 1, S] bf16
+  probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+  return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def _pallas_ops():
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from jax.experimental.pallas.ops.gpu import decode_attention, paged_attention
+  return decode_attention, paged_attention
+
+
+def pallas_gqa(q, k, v, lengths):
+  """JAX's Pallas split-K decode (defaults: 16 splits, 128-key blocks). It transposes the
+  cache to head-major inside the call: that copy counts, as a user pays it."""
+  decode_attention, _ = _pallas_ops()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return decode_attention.gqa(q[:, 0], k, v, kv_seq_len=lengths, sm_scale=q.shape[-1] ** -0.5,
+                                interpret=not common.has_gpu())
+
+
+def pallas_paged(q, k_pages, v_pages, lengths, table):
+  """JAX's Pallas paged attention. Its pool is head-major [K, P, page, H]: the conversion
+  from the [P, page, K, H] pool counts in its time, and it takes no softmax scale (the
+  caller scales q). Splits: 16 (fewer when a sequence has fewer pages); compute blocks of
+  8 pages of 16 (128 tokens), one page when pages are larger."""
+  _, paged_attention = _pallas_ops()
+  pages_per_seq, page = table.shape[1], k_pages.shape[1]
+  k_splits = min(16, pages_per_seq)
+  per_block = max(1, min(pages_per_seq // k_splits, 128 // page))
+  k_heads = jnp.transpose(k_pages, (2, 0, 1, 3))  # [K, P, page, H]
+  v_heads = jnp.transpose(v_pages, (2, 0, 1, 3))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return paged_attention.paged_attention(
+        q[:, 0] * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k_heads, v_heads, table, lengths,
+        k_splits=k_splits,
+        pages_per_compute_block=per_block, interpret=not common.has_gpu())
+
+
+def over_layers(attention):
+  """One compiled function over L layers: attention on each layer's own cache, in order."""
+  def run(qs, ks, vs, *shared):
+    return [attention(q, k, v, *shared) for q, k, v in zip(qs, ks, vs)]
+  return run
+
+
+# ----------------------------------------------------------------------------- caches
+
+def layer_plan(batch: int, capacity: int, min_bytes: int, max_sites: int):
+  """(layers per compiled call, argument sets): layers x sets x cache bytes >= min_bytes."""
+  per_layer = cache_bytes(batch, capacity)
+  layers = max(1, math.ceil(min_bytes / per_layer))
+  sites = min(layers, max_sites)
+  return sites, math.ceil(layers / sites)
+
+
+def cache_bytes(batch: int, length: int) -> int:
+  """K and V bytes one decode call reads: length x KV heads x head dim x 2 bytes x 2."""
+  return batch * length * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+
+
+def make_layers(batch: int, capacity: int, count: int, seed: int):
+  """`count` layers of (q [B, 1, N, H], k, v [B, S, K, H]) random bf16."""
+  @jax.jit
+  def one(key):
+    kq, kk, kv = jax.random.split(key, 3)
+    return (jax.random.normal(kq, (batch, 1, NUM_HEADS, HEAD_DIM), DTYPE),
+            jax.random.normal(kk, (batch, capacity, NUM_KV_HEADS, HEAD_DIM), DTYPE),
+            jax.random.normal(kv, (batch, capacity, NUM_KV_HEADS, HEAD_DIM), DTYPE))
+  keys = jax.random.split(jax.random.key(seed), count)
+  return [one(keys[i]) for i in range(count)]
+
+
+def random_block_table(batch: int, pages_per_seq: int, seed: int = 0) -> np.ndarray:
+  """Every page of the pool used once, scattered at random (vLLM-style allocation)."""
+  perm = np.random.default_rng(seed).permutation(batch * pages_per_seq).astype(np.int32)
+  return perm.reshape(batch, pages_per_seq)
+
+
+def to_pages(cache, table: np.ndarray, page: int):
+  """[B, S, K, H] cache -> [B * S / page, page, K, H] pool with pool[table[b, j]] holding
+  tokens j * page ... of sequence b, so gathering the pool through `table` gives the cache."""
+  b, s, kh, h = cache.shape
+  inverse = np.argsort(table.reshape(-1))
+  return cache.reshape(b * (s // page), page, kh, h)[jnp.asarray(inverse)]
+
+
+# ----------------------------------------------------------------------------- one row
+
+def reference_layer0(layer, lengths):
+  from jaxflash.reference import attention_reference
+  q, k, v = layer
+  with jax.default_matmul_precision("highest"):
+    out, _ = jax.jit(lambda q, k, v, n: attention_reference(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), scale=HEAD_DIM ** -0.5,
+        key_value_seq_lengths=n))(q, k, v, lengths)
+  return out
+
+
+def max_error(attention, args, ref) -> float | str:
+  out, err = common.try_call(lambda: jax.jit(attention)(*args))
+  if err:
+    return err
+  return float(jnp.max(jnp.abs(out.reshape(ref.shape).astype(jnp.float32) - ref)))
+
+
+def time_group(name_to_attention: dict, layer_sets, shared, budget, row, prefix="") -> dict:
+  """Times each attention over every layer set; fills row[<name>_us/_gbs/...]."""
+  sets = common.ArgSets([(tuple(l[0] for l in ls), tuple(l[1] for l in ls), tuple(l[2] for l in ls),
+                          *shared) for ls in layer_sets])
+  cases = {}
+  for name, attention in name_to_attention.items():
+    if budget.exhausted():
+      row["errors"][name] = "skipped: time budget"
+      continue
+    cases[name] = (over_layers(attention), sets)
+  return common.device_times_us(cases, log=log)
+
+
+def record(row, name: str, timing, sites: int, nbytes: int, ceiling_gbs, kernel_pattern=None):
+  if isinstance(timing, dict):
+    row["errors"][name] = timing["error"]
+  if not isinstance(timing, common.Timing):
+    row[f"{name}_gbs"] = None
+    return None
+  us = timing.us / sites
+  row[f"{name}_us"] = us
+  row[f"{name}_gbs"] = nbytes / (us * 1e-6) / 1e9
+  row[f"{name}_pct"] = 100 * row[f"{name}_gbs"] / ceiling_gbs if ceiling_gbs else None
+  row["kernels"][name] = {**timing.as_dict(), "us_per_layer": us}
+  row["method"] = timing.method
+  if kernel_pattern and timing.kernels:
+    kernel_us = timing.kernel_us(kernel_pattern) / sites
+    row[f"{name}_kernel_gbs"] = nbytes / (kernel_us * 1e-6) / 1e9 if kernel_us else None
+  return row[f"{name}_gbs"]
+
+
+def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict) -> tuple[dict, list, list]:
+  sites, nsets = plan
+  nbytes = cache_bytes(batch, capacity)
+  row = {"batch": batch, "context": capacity, "layers": sites * nsets, "layers_per_call": sites,
+         "arg_sets": nsets, "cache_mib_total": sites * nsets * nbytes / MIB, "bytes_per_call": nbytes,
+         "errors": {}, "kernels": {}, "max_abs_error": {}}
+  split_rows, stage_rows = [], []
+  layers = make_layers(batch, capacity, sites * nsets, seed=capacity + batch)
+  layer_sets = [layers[i * sites:(i + 1) * sites] for i in range(nsets)]
+  lengths = jnp.full((batch,), capacity, jnp.int32)
+  ref = reference_layer0(layers[0], lengths)
+  q0, k0, v0 = layers[0]
+
+  # Contiguous caches: jaxflash, the jax.nn paths, textbook attention, JAX's Pallas gqa.
+  contiguous = {"jaxflash": jaxflash_decode(), "cudnn": cudnn_decode, "xla": xla_decode,
+                "naive": naive_decode, "pallas_gqa": pallas_gqa}
+  for s in sweeps.get("splits", ()):
+    contiguous[f"splits{s}"] = jaxflash_decode(num_splits=s)
+  timings = time_group(contiguous, layer_sets, (lengths,), budget, row)
+  for name, attention in contiguous.items():
+    pattern = "mha_forward" if name == "pallas_gqa" else None
+    gbs = record(row, name, timings.get(name), sites, nbytes, ceiling_gbs, pattern)
+    if name.startswith("splits"):
+      split_rows.append({"batch": batch, "context": capacity, "num_splits": int(name[6:]), "gbs": gbs,
+                         "pct": row.get(f"{name}_pct"), "us": row.get(f"{name}_us"),
+                         "error": row["errors"].get(name)})
+    elif name in timings and not isinstance(timings[name], dict):
+      row["max_abs_error"][name] = max_error(attention, (q0, k0, v0, lengths), ref)
+
+  # Paged pools built from the same caches through a random block table, one page size at a time.
+  for page in (16, 256):
+    if capacity % page:
+      for name in (f"jaxflash_paged{page}", f"pallas_paged{page}"):
+        row["errors"][name] = f"skipped: context {capacity} is not a multiple of the page size"
+      continue
+    table = random_block_table(batch, capacity // page, seed=page)
+    table_j = jnp.asarray(table)
+    paged_sets = [[(q, to_pages(k, table, page), to_pages(v, table, page)) for q, k, v in ls]
+                  for ls in layer_sets]
+    group = {f"jaxflash_paged{page}": jaxflash_paged(), f"pallas_paged{page}": pallas_paged}
+    configs = {}
+    if page == 16:
+      for bk, warps, stages in sweeps.get("paged_configs", ()):
+        configs[f"paged_bk{bk}_w{warps}_s{stages}"] = (bk, warps, stages)
+        group[f"paged_bk{bk}_w{warps}_s{stages}"] = _paged_with_config(bk, warps, stages)
+    timings = time_group(group, paged_sets, (lengths, table_j), budget, row)
+    p0 = paged_sets[0][0]
+    for name, attention in group.items():
+      pattern = "paged_attention" if name.startswith("pallas") else None
+      gbs = record(row, name, timings.get(name), sites, nbytes, ceiling_gbs, pattern)
+      if name in configs:
+        bk, warps, stages = configs[name]
+        stage_rows.append({"batch": batch, "context": capacity, "page": page, "block_k": bk,
+                           "num_warps": warps, "num_stages": stages, "gbs": gbs,
+                           "pct": row.get(f"{name}_pct"), "us": row.get(f"{name}_us"),
+                           "error": row["errors"].get(name)})
+      elif name in timings and not isinstance(timings[name], dict):
+        row["max_abs_error"][name] = max_error(attention, (p0[0], p0[1], p0[2], lengths, table_j), ref)
+    del paged_sets, p0
+    common.free_memory()
+
+  for name in list(row):  # sweep cells live in their own tables
+    if name.startswith(("splits", "paged_bk")):
+      row.pop(name)
+  row["kernels"] = {k: v for k, v in row["kernels"].items() if not k.startswith(("splits", "paged_bk"))}
+  del layers, layer_sets, q0, k0, v0, ref
+  common.free_memory()
+  return row, split_rows, stage_rows
+
+
+def _paged_with_config(block_k, num_warps, num_stages):
+  from jaxflash.configs import DecodeConfig
+  return jaxflash_paged(DecodeConfig(block_k, num_warps, num_stages))
+
+
+# ----------------------------------------------------------------------------- script
+
+class Budget:
+  """Cells past the time budget are skipped (and say so), so results are always written."""
+
+  def __init__(self, seconds: float):
+    self.start, self.seconds = time.perf_counter(), seconds
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  def exhausted(self) -> bool:
+    return self.elapsed() > self.seconds
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true", help="fewer rows")
+  p.add_argument("--sweep", dest="sweep", action="store_true", default=True)
+  p.add_argument("--no-sweep", dest="sweep", action="store_false")
+  p.add_argument("--smoke", action="store_true", help="tiny CPU run end to end (interpret mode)")
+  p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
+  p.add_argument("--budget-s", type=float, default=380.0,
+                 help="skip the cells left after this many seconds (results are still written)")
+  p.add_argument("--min-mib", type=float, default=512.0, help="caches per row, MiB (cold reads)")
+  p.add_argument("--max-sites", type=int, default=128, help="layers per compiled call")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  budget = Budget(args.budget_s)
+  if args.smoke:
+    rows_spec = [(1, 512), (2, 256)]
+    split_contexts, stage_context = (512,), 512
+    splits, paged_configs = (1, 2, 4), [(16, 4, 2), (32, 4, 3)]
+    min_bytes, max_sites = 2 * MIB, 2
+    ceiling_args = dict(matmul_n=256, hbm_gib=1 / 64)
+  else:
+    rows_spec = ([(1, 4096), (1, 32768), (16, 4096)] if args.quick else
+                 [(1, 1024), (1, 4096), (1, 16384), (1, 32768), (1, 131072), (16, 4096)])
+    split_contexts = (32768,) if args.quick else (32768, 131072)
+    stage_context = 32768
+    splits = SPLITS
+    paged_configs = list(itertools.product(*PAGED_SWEEP.values()))
+    min_bytes, max_sites = int(args.min_mib * MIB), args.max_sites
+    ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
+  out_dir = common.smoke_out_dir("decode") if args.smoke else (args.out or common.DEFAULT_OUT)
+
+  meta = common.env_metadata()
+  log(f"decode benchmark on {meta['device']} ({meta['backend']}), jax {meta['versions'].get('jax')}")
+  meta["ceilings"] = common.ceilings(**ceiling_args)
+  ceiling = meta["ceilings"].get("hbm_read_gbs")
+  log(f"ceilings: {meta['ceilings']}")
+  meta.update(
+      title="Decode attention: GB/s of K+V read on device time",
+      shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
+                  query_tokens=1, lengths="= capacity"),
+      method=(f"one compiled call over L layers, each with its own cache, >= {min_bytes / MIB:.0f} MiB in all "
+              f"(at most {max_sites} layers per call, rotating between argument sets beyond); "
+              "time per attention = device time / layers per call"),
+      bytes="K + V read: valid length x KV heads x head dim x 2 bytes x 2",
+      timing=("device time: sum of the GPU kernels one call launches (jax.profiler trace)"
+              if common.has_gpu() else common.WALL_NO_GPU),
+      smoke=args.smoke, quick=args.quick)
+  meta["notes_header"] = [
+      f"GB/s of K+V read per call; % of the HBM read ceiling above. Caches >= {min_bytes / MIB:.0f} MiB "
+      "per row (L layers, each its own cache) so every read is cold.",
+      "JAX Pallas gqa / paged: their cache layout conversion (transpose to head-major) counts in their "
+      "time, as a user pays it; the kernel alone is in the JSON (*_kernel_gbs).",
+      "Paged: every page of the pool used once, block table randomly permuted.",
+  ]
+
+  rows, split_rows, stage_rows, notes = [], [], [], []
+  for batch, capacity in rows_spec:
+    if budget.exhausted():
+      notes.append(f"B={batch} context={capacity}: skipped (time budget)")
+      continue
+    plan = layer_plan(batch, capacity, min_bytes, max_sites)
+    sweeps = {}
+    if args.sweep and batch == 1 and capacity in split_contexts:
+      sweeps["splits"] = splits
+    if args.sweep and batch == 1 and capacity == stage_context:
+      sweeps["paged_configs"] = paged_configs
+    log(f"[{budget.elapsed():6.1f}s] B={batch} context={capacity}: {plan[0]} layers x {plan[1]} sets, "
+        f"{plan[0] * plan[1] * cache_bytes(batch, capacity) / MIB:.0f} MiB")
+    got, err = common.try_call(bench_row, batch, capacity, plan, ceiling, budget, sweeps)
+    if err:
+      notes.append(f"B={batch} context={capacity}: row failed: {err[:300]}")
+      log(f"  row failed: {err}")
+      continue
+    row, srows, prow = got
+    rows.append(row)
+    split_rows += srows
+    stage_rows += prow
+    for name, err in row["errors"].items():
+      notes.append(f"B={batch} context={capacity} {LABELS.get(name, name)}: {err[:300]}")
+    for name, e in row["max_abs_error"].items():
+      if not isinstance(e, float) or e > 0.05:
+        notes.append(f"B={batch} context={capacity} {LABELS.get(name, name)}: max abs error vs float32 = {e}")
+    log("  " + ", ".join(f"{name} {common.format_value(row.get(f'{name}_gbs'))}" for name in IMPLS))
+    common.write_results("decode", rows, meta, main_columns(), out_dir=out_dir, notes=notes,
+                         extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
+
+  plot = {"x": "context", "y": [f"{n}_gbs" for n in IMPLS], "logx": True,
+          "labels": {f"{n}_gbs": LABELS[n] for n in IMPLS}, "where": lambda r: r["batch"] == 1,
+          "xlabel": "context (batch 1)", "ylabel": "GB/s of K+V (device time)",
+          "title": "Decode, 12 q heads / 2 kv heads, d=128, bf16", "hline": (ceiling, "HBM read ceiling")}
+  paths = common.write_results("decode", rows, meta, main_columns(), plot=plot, out_dir=out_dir, notes=notes,
+                               extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
+  sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
+  if split_rows:
+    common.write_results(
+        "decode_splits", split_rows, {**sub_meta, "title": "Flash-Decoding chunk count, jaxflash contiguous, B=1"},
+        [("context", "context"), ("num_splits", "num_splits"), ("gbs", "GB/s"), ("pct", "% of HBM"),
+         ("us", "us / call"), ("error", "error", lambda e: e[:80])],
+        plot={"x": "num_splits", "y": "gbs", "series": "context", "logx": True, "xlabel": "num_splits",
+              "ylabel": "GB/s", "title": "jaxflash decode: chunks per sequence, B=1",
+              "hline": (ceiling, "HBM read ceiling")}, out_dir=out_dir)
+  if stage_rows:
+    common.write_results(
+        "decode_paged_stages", stage_rows,
+        {**sub_meta, "title": f"Paged decode tiles and pipeline stages, B=1, {stage_context} tokens, pages of 16"},
+        [("block_k", "block_k"), ("num_warps", "warps"), ("num_stages", "stages"), ("gbs", "GB/s"),
+         ("pct", "% of HBM"), ("us", "us / call"), ("error", "error", lambda e: e[:80])],
+        plot={"x": "num_stages", "y": "gbs", "series": "block_k", "xlabel": "num_stages", "ylabel": "GB/s",
+              "labels": {bk: f"block_k {bk}" for bk in PAGED_SWEEP["block_k"]},
+              "title": "jaxflash paged decode (page 16): stages", "hline": (ceiling, "HBM read ceiling")},
+        out_dir=out_dir)
+
+  log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
+  log(f"HBM read ceiling {common.format_value(ceiling)} GB/s; timing: {meta['timing']}")
+  if split_rows:
+    for ctx in sorted({r["context"] for r in split_rows}):
+      got = [r for r in split_rows if r["context"] == ctx and r.get("gbs")]
+      if got:
+        best = max(got, key=lambda r: r["gbs"])
+        log(f"splits sweep {ctx}: best {best['num_splits']} chunks, {best['gbs']:.0f} GB/s")
+  if stage_rows:
+    got = [r for r in stage_rows if r.get("gbs")]
+    if got:
+      best = max(got, key=lambda r: r["gbs"])
+      log(f"paged stages sweep: best block_k {best['block_k']} stages {best['num_stages']}, {best['gbs']:.0f} GB/s")
+  log(common.markdown_table(rows, [("batch", "B"), ("context", "ctx")] + [
+      (f"{n}_gbs", n.replace("jaxflash", "jf").replace("pallas", "pl")) for n in IMPLS]))
+
+
+def main_columns():
+  cols = [("batch", "B"), ("context", "context"), ("layers", "L")]
+  cols += [(f"{n}_gbs", LABELS[n]) for n in IMPLS]
+  cols += [("jaxflash_pct", "jaxflash % of HBM"), ("jaxflash_paged16_pct", "paged 16 % of HBM")]
+  return cols
+
+
+if __name__ == "__main__":
+  main()

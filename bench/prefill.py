@@ -1,0 +1,362 @@
+"""Causal prefill: jaxflash against cuDNN, XLA, textbook attention and JAX's Pallas `mha`.
+
+The article's shapes (Qwen2.5-1.5B attention): 12 query heads, 2 KV heads, head dim 128,
+bf16, causal; batch 1 at n = 512 ... 32768 and batch 4 at 4096. Every implementation of a
+row runs in one process and one profiler session, and is timed on device time (the sum of
+the GPU kernels one call launches, bench/common.py). TFLOP/s count FLOPs as the
+FlashAttention-2 paper does: 4 n^2 d per head, halved for causal. The ceiling is a bf16
+8192^3 matmul measured in the same run.
+
+Also: the peak scratch memory of each implementation, the max abs error against a float32
+XLA reference at one size, and the article's tuning sweep at n = 8192 (block_q x block_k x
+warps x stages).
+
+  python bench/prefill.py [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
+  python bench/prefill.py --smoke                               # tiny CPU run, interpret mode
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.common import log  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
+DTYPE = jnp.bfloat16
+IMPLS = ("jaxflash", "cudnn", "pallas_mha", "xla", "naive")
+LABELS = {"jaxflash": "jaxflash", "cudnn": "cuDNN (jax.nn)", "pallas_mha": "JAX Pallas mha",
+          "xla": "jax.nn xla", "naive": "naive einsum"}
+# Textbook attention holds the n x n scores several times (bf16 scores, fp32 softmax): at
+# 32768 tokens that is ~12 x 32768^2 x 10 bytes = 129 GB, past the card (the article: OOM).
+MAX_N_MATERIALIZED = 16384
+
+
+# ----------------------------------------------------------------------------- the contenders
+
+def jaxflash_fn(config=None):
+  from jaxflash.prefill import prefill_attention
+
+  def run(q, k, v, mask):
+    del mask
+    return prefill_attention(q, k, v, is_causal=True, config=config)
+  return run
+
+
+def cudnn_fn(q, k, v, mask):
+  del mask
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def xla_fn(q, k, v, mask):
+  del mask
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def naive_fn(q, k, v, mask):
+  """Hugging Face eager attention, step for step (the article's textbook baseline): repeat
+  K/V to every query head, bf16 scores, add the shared causal mask, fp32 softmax, cast."""
+  group = q.shape[2] // k.shape[2]
+  k = jnp.repeat(k, group, axis=2)  # [B, S, N, H]
+  v = jnp.repeat(v, group, axis=2)
+  scores = jnp.einsum("btnh,bsnh->bnts", q, k) * (q.shape[-1] ** -0.5)  # [B, N, T, S] bf16
+  scores = scores + mask  # [T, S] 0 / -inf, built once outside
+  probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+  return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def _pallas_mha_module():
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  return pallas_attention
+
+
+def pallas_mha_fn(q, k, v, mask):
+  """JAX's own Pallas-Triton flash attention: it has no GQA, so K/V are repeated to every
+  query head inside the timed call (as a user must); default block sizes (128 x 128)."""
+  del mask
+  mha = _pallas_mha_module().mha
+  group = q.shape[2] // k.shape[2]
+  k = jnp.repeat(k, group, axis=2)  # [B, S, N, H]
+  v = jnp.repeat(v, group, axis=2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True,
+               interpret=not common.has_gpu())
+
+
+CONTENDERS = {"jaxflash": jaxflash_fn(), "cudnn": cudnn_fn, "pallas_mha": pallas_mha_fn,
+              "xla": xla_fn, "naive": naive_fn}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def make_inputs(batch: int, n: int, seed: int = 0):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (batch, n, NUM_HEADS, HEAD_DIM), DTYPE)
+  k = jax.random.normal(kk, (batch, n, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+  v = jax.random.normal(kv, (batch, n, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+  return q, k, v
+
+
+def causal_mask(n: int):
+  """The n x n additive mask HF builds once and shares between layers: 0 on and below the
+  diagonal, -inf above."""
+  rows = jnp.arange(n)[:, None]
+  return jnp.where(jnp.arange(n)[None, :] <= rows, 0.0, -jnp.inf).astype(DTYPE)
+
+
+def causal_flops(batch: int, n: int) -> float:
+  return batch * NUM_HEADS * 4 * n * n * HEAD_DIM / 2
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget) -> dict:
+  row = {"batch": batch, "n": n, "gflop": causal_flops(batch, n) / 1e9, "errors": {}, "kernels": {}}
+  q, k, v = make_inputs(batch, n)
+  mask = causal_mask(n) if n <= MAX_N_MATERIALIZED else jnp.zeros((1, 1), DTYPE)
+  cases = {}
+  for impl in IMPLS:
+    if impl in ("xla", "naive") and n > MAX_N_MATERIALIZED:
+      row["errors"][impl] = f"skipped: n > {MAX_N_MATERIALIZED} (the n x n scores do not fit)"
+      continue
+    if budget.exhausted():
+      row["errors"][impl] = "skipped: time budget"
+      continue
+    cases[impl] = (CONTENDERS[impl], (q, k, v, mask))
+  timings = common.device_times_us(cases, log=log)
+  flops = causal_flops(batch, n)
+  for impl in IMPLS:
+    t = timings.get(impl)
+    if isinstance(t, dict):
+      row["errors"][impl] = t["error"]
+    if not isinstance(t, common.Timing):
+      row[f"{impl}_tflops"] = None
+      continue
+    row[f"{impl}_us"] = t.us
+    row[f"{impl}_tflops"] = flops / (t.us * 1e-6) / 1e12
+    row[f"{impl}_pct"] = 100 * row[f"{impl}_tflops"] / ceiling_tflops if ceiling_tflops else None
+    row[f"{impl}_temp_mib"] = None if t.temp_bytes is None else t.temp_bytes / 2**20
+    row["kernels"][impl] = t.as_dict()
+    row["method"] = t.method
+  mha = timings.get("pallas_mha")
+  if isinstance(mha, common.Timing) and mha.kernels:
+    kernel_us = mha.kernel_us("mha_forward")
+    row["pallas_mha_kernel_tflops"] = flops / (kernel_us * 1e-6) / 1e12 if kernel_us else None
+  jf = row.get("jaxflash_tflops")
+  for other, key in (("cudnn", "jf_over_cudnn"), ("pallas_mha", "jf_over_mha")):
+    theirs = row.get(f"{other}_tflops")
+    row[key] = jf / theirs if jf and theirs else None
+  del q, k, v, mask
+  common.free_memory()
+  return row
+
+
+def accuracy(n: int) -> dict:
+  """Max abs error of each implementation against float32 XLA attention (full-precision
+  matmuls) on the same bf16 inputs, batch 1 at n tokens."""
+  from jaxflash.reference import attention_reference
+  q, k, v = make_inputs(1, n, seed=1)
+  with jax.default_matmul_precision("highest"):
+    ref, _ = jax.jit(lambda q, k, v: attention_reference(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        scale=HEAD_DIM ** -0.5, is_causal=True))(q, k, v)
+  mask = causal_mask(n)
+  errors = {}
+  for impl in IMPLS:
+    out, err = common.try_call(lambda: jax.jit(CONTENDERS[impl])(q, k, v, mask))
+    errors[impl] = err if err else float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+  del q, k, v, ref
+  common.free_memory()
+  return errors
+
+
+def sweep(n: int, ceiling_tflops: float | None, budget, grid: dict) -> list[dict]:
+  """The article's tuning sweep: every (block_q, block_k, num_warps, num_stages) at n tokens,
+  batch 1; a config that fails to compile (or is refused for shared memory) is recorded."""
+  from jaxflash.configs import PrefillConfig, prefill_config
+  default = common.try_call(prefill_config, HEAD_DIM, DTYPE)[0]
+  q, k, v = make_inputs(1, n)
+  mask = jnp.zeros((1, 1), DTYPE)
+  rows, cases = [], {}
+  for bq, bk, warps, stages in itertools.product(grid["block_q"], grid["block_k"],
+                                                 grid["num_warps"], grid["num_stages"]):
+    config = PrefillConfig(bq, bk, warps, stages)
+    row = {"block_q": bq, "block_k": bk, "num_warps": warps, "num_stages": stages,
+           "smem_kib": config.smem_bytes(HEAD_DIM, 2) / 1024, "default": config == default,
+           "config": f"{bq}x{bk} w{warps} s{stages}"}
+    rows.append(row)
+    if budget.exhausted():
+      row["error"] = "skipped: time budget"
+      continue
+    cases[row["config"]] = (jaxflash_fn(config), (q, k, v, mask))
+  # One profiler session for the whole sweep, in groups so a crash loses little.
+  flops = causal_flops(1, n)
+  names = list(cases)
+  for start in range(0, len(names), 12):
+    group = {name: cases[name] for name in names[start:start + 12]}
+    log(f"  sweep configs {start + 1}-{start + len(group)} of {len(names)}")
+    timings = common.device_times_us(group, log=log)
+    for row in rows:
+      t = timings.get(row["config"])
+      if isinstance(t, dict):
+        row["error"] = t["error"]
+      elif isinstance(t, common.Timing):
+        row.update(us=t.us, tflops=flops / (t.us * 1e-6) / 1e12)
+        row["pct"] = 100 * row["tflops"] / ceiling_tflops if ceiling_tflops else None
+  del q, k, v
+  common.free_memory()
+  return rows
+
+
+# ----------------------------------------------------------------------------- script
+
+class Budget:
+  """Cells past the time budget are skipped (and say so), so results are always written."""
+
+  def __init__(self, seconds: float):
+    self.start, self.seconds = time.perf_counter(), seconds
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  def exhausted(self) -> bool:
+    return self.elapsed() > self.seconds
+
+
+def main_columns():
+  cols = [("batch", "B"), ("n", "n")]
+  cols += [(f"{impl}_tflops", LABELS[impl]) for impl in IMPLS]
+  cols += [("pallas_mha_kernel_tflops", "Pallas mha kernel only"),
+           ("jaxflash_pct", "jaxflash % of matmul"),
+           ("jf_over_cudnn", "jaxflash / cuDNN", "{:.2f}"), ("jf_over_mha", "jaxflash / Pallas mha", "{:.2f}")]
+  return cols
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true", help="fewer sizes")
+  p.add_argument("--sweep", dest="sweep", action="store_true", default=True)
+  p.add_argument("--no-sweep", dest="sweep", action="store_false")
+  p.add_argument("--smoke", action="store_true", help="tiny CPU run end to end (interpret mode)")
+  p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
+  p.add_argument("--budget-s", type=float, default=380.0,
+                 help="skip the cells left after this many seconds (results are still written)")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  budget = Budget(args.budget_s)
+  if args.smoke:
+    sizes, acc_n, sweep_n = [(1, 128), (1, 256), (2, 128)], 128, 256
+    grid = {"block_q": [64], "block_k": [32, 64], "num_warps": [4], "num_stages": [2]}
+    ceiling_args = dict(matmul_n=256, hbm_gib=1 / 64)
+  else:
+    ns = [1024, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    sizes = [(1, n) for n in ns] + [(4, 4096)]
+    acc_n, sweep_n = 4096, 8192
+    grid = {"block_q": [64, 128], "block_k": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+    ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
+  out_dir = common.smoke_out_dir("prefill") if args.smoke else (args.out or common.DEFAULT_OUT)
+
+  meta = common.env_metadata()
+  log(f"prefill benchmark on {meta['device']} ({meta['backend']}), jax {meta['versions'].get('jax')}")
+  meta["ceilings"] = common.ceilings(**ceiling_args)
+  ceiling = meta["ceilings"].get("matmul_tflops")
+  log(f"ceilings: {meta['ceilings']}")
+  meta.update(
+      title="Causal prefill: TFLOP/s on device time",
+      shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
+                  causal=True),
+      flops="FlashAttention-2 convention: 4 n^2 d per head, halved for causal",
+      timing=("device time: sum of the GPU kernels one call launches (jax.profiler trace)"
+              if common.has_gpu() else common.WALL_NO_GPU),
+      smoke=args.smoke, quick=args.quick)
+  meta["notes_header"] = [
+      "TFLOP/s by the FlashAttention-2 count (4·n²·d per head, halved for causal); % of the bf16 "
+      "matmul ceiling above.",
+      "JAX Pallas mha has no GQA: its time includes repeating K/V to 12 heads (the kernel alone: "
+      "'kernel only'); default block sizes 128 x 128.",
+      "naive = Hugging Face eager attention (repeat K/V, bf16 scores + mask, fp32 softmax).",
+  ]
+
+  rows, notes = [], []
+  for batch, n in sizes:
+    if budget.exhausted():
+      notes.append(f"B={batch} n={n}: skipped (time budget)")
+      continue
+    log(f"[{budget.elapsed():6.1f}s] B={batch} n={n}")
+    row = bench_row(batch, n, ceiling, budget)
+    rows.append(row)
+    for impl, err in row["errors"].items():
+      notes.append(f"B={batch} n={n} {LABELS[impl]}: {err[:300]}")
+    log("  " + ", ".join(f"{impl} {common.format_value(row.get(f'{impl}_tflops'))}" for impl in IMPLS))
+    common.write_results("prefill", rows, meta, main_columns(), out_dir=out_dir, notes=notes)
+
+  memory_rows = [{"batch": r["batch"], "n": r["n"],
+                  **{impl: r.get(f"{impl}_temp_mib") for impl in IMPLS}} for r in rows]
+  common.write_results(
+      "prefill_memory", memory_rows, {**meta, "title": "Causal prefill: peak XLA scratch memory (MiB)"},
+      [("batch", "B"), ("n", "n"), *[(impl, LABELS[impl]) for impl in IMPLS]], out_dir=out_dir,
+      notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
+
+  log(f"[{budget.elapsed():6.1f}s] accuracy at n={acc_n}")
+  acc, err = common.try_call(accuracy, acc_n)
+  meta["accuracy"] = {"n": acc_n, "reference": "float32 XLA (precision highest), same bf16 inputs",
+                      "max_abs_error": acc if acc else err}
+  log(f"  max abs error vs float32: {acc if acc else err}")
+
+  sweep_rows = []
+  if args.sweep:
+    log(f"[{budget.elapsed():6.1f}s] tuning sweep at n={sweep_n}")
+    sweep_rows, err = common.try_call(sweep, sweep_n, ceiling, budget, grid)
+    if err:
+      sweep_rows = [{"config": "all", "error": err}]
+    ranked = sorted(sweep_rows, key=lambda r: -(r.get("tflops") or -1))
+    common.write_results(
+        "prefill_sweep", ranked, {**meta, "title": f"Prefill tuning sweep, B=1, n={sweep_n}"},
+        [("config", "config"), ("tflops", "TFLOP/s"), ("pct", "% of matmul"), ("smem_kib", "smem KiB (model)"),
+         ("default", "default"), ("error", "error", lambda e: e[:80])],
+        plot={"kind": "bar", "x": "config", "y": "tflops", "title": f"jaxflash prefill configs, n={sweep_n}",
+              "ylabel": "TFLOP/s", "hline": (ceiling, "bf16 matmul ceiling")},
+        out_dir=out_dir)
+
+  acc_line = meta["accuracy"]["max_abs_error"]
+  notes.append(f"max abs error vs float32 at n={acc_n}: " + (
+      ", ".join(f"{LABELS[i]} {common.format_value(v) if isinstance(v, float) else 'error'}"
+                for i, v in acc_line.items()) if isinstance(acc_line, dict) else str(acc_line)))
+  plot = {"x": "n", "y": [f"{impl}_tflops" for impl in IMPLS], "logx": True,
+          "labels": {f"{impl}_tflops": LABELS[impl] for impl in IMPLS},
+          "where": lambda r: r["batch"] == 1, "xlabel": "sequence length n (batch 1)",
+          "ylabel": "TFLOP/s (device time)", "title": "Causal prefill, 12 q heads / 2 kv heads, d=128, bf16",
+          "hline": (ceiling, "bf16 matmul ceiling")}
+  paths = common.write_results("prefill", rows, meta, main_columns(), plot=plot, out_dir=out_dir,
+                               notes=notes, extra={"sweep": sweep_rows})
+
+  log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
+  if sweep_rows:
+    best = [r for r in sweep_rows if r.get("tflops")]
+    if best:
+      top = max(best, key=lambda r: r["tflops"])
+      log(f"sweep best: {top['config']} {top['tflops']:.0f} TFLOP/s")
+  log(f"matmul ceiling {common.format_value(ceiling)} TFLOP/s; timing: {meta['timing']}")
+  log(common.markdown_table(rows, [("batch", "B"), ("n", "n")] + [
+      (f"{impl}_tflops", impl) for impl in IMPLS] + [("jf_over_cudnn", "jf/cudnn", "{:.2f}"),
+                                                       ("jf_over_mha", "jf/mha", "{:.2f}")]))
+
+
+if __name__ == "__main__":
+  main()

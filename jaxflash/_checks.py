@@ -1,0 +1,72 @@
+"""Argument checks shared by the public functions: they run at trace time and name the
+offending argument and its shape, so a mistake surfaces before any kernel is built."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _describe(x) -> str:
+  return f"shape {tuple(x.shape)} and dtype {jnp.dtype(x.dtype).name}"
+
+
+def check_float(name: str, x) -> None:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+    raise TypeError(f"{name} must be bfloat16, float16 or float32, got {_describe(x)}")
+
+
+def check_qkv(query, key, value, *, key_name: str = "key", value_name: str = "value") -> None:
+  """query [B, T, N, H]; key, value [B, S, K, H] (or pages [P, page, K, H]) with N % K == 0."""
+  for name, x in (("query", query), (key_name, key), (value_name, value)):
+    check_float(name, x)
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 ([B, T, N, H] / [B, S, K, H]), got {_describe(x)}")
+  if key.shape != value.shape:
+    raise ValueError(f"{key_name} and {value_name} must have the same shape, got "
+                     f"{key_name} {tuple(key.shape)} and {value_name} {tuple(value.shape)}")
+  if key.dtype != value.dtype:
+    raise TypeError(f"{key_name} and {value_name} must have the same dtype, got "
+                    f"{jnp.dtype(key.dtype).name} and {jnp.dtype(value.dtype).name}")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"query and {key_name} must have the same head dim, got query "
+                     f"{tuple(query.shape)} and {key_name} {tuple(key.shape)}")
+  n, k = query.shape[2], key.shape[2]
+  if k == 0 or n % k:
+    raise ValueError(f"query heads ({n}) must be a multiple of {key_name} heads ({k}): query "
+                     f"{tuple(query.shape)}, {key_name} {tuple(key.shape)}")
+
+
+def check_lengths(name: str, lengths, batch: int):
+  """lengths: integer [batch]; returned as int32 (None stays None)."""
+  if lengths is None:
+    return None
+  if not hasattr(lengths, "dtype"):
+    lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array of shape ({batch},), got {_describe(lengths)}")
+  if tuple(lengths.shape) != (batch,):
+    raise ValueError(f"{name} must have shape ({batch},) (one length per sequence), got {_describe(lengths)}")
+  return lengths.astype(jnp.int32)
+
+
+def check_block_table(block_table, batch: int):
+  """block_table: integer [batch, max_pages]; returned as int32."""
+  if not hasattr(block_table, "dtype"):
+    block_table = jnp.asarray(block_table)
+  if not jnp.issubdtype(block_table.dtype, jnp.integer):
+    raise TypeError(f"block_table must be an integer array [batch, max_pages], got {_describe(block_table)}")
+  if block_table.ndim != 2 or block_table.shape[0] != batch:
+    raise ValueError(f"block_table must have shape ({batch}, max_pages), got {_describe(block_table)}")
+  return block_table.astype(jnp.int32)
+
+
+def check_page_size(page_size: int) -> None:
+  if page_size < 8 or page_size & (page_size - 1):
+    raise ValueError(f"page size must be a power of two >= 8, got pages of {page_size} tokens")
+
+
+def default_scale(scale, head_dim: int) -> float:
+  return float(head_dim) ** -0.5 if scale is None else float(scale)

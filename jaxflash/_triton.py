@@ -1,0 +1,44 @@
+"""The one place that imports Pallas' Triton backend.
+
+JAX 0.11 marks the Pallas-Triton lowering deprecated (the warning is expected: it is
+still the lowering that runs on every NVIDIA generation from Ampere on), so its
+warning is filtered here, around the import, and around each kernel's lowering
+through `quiet`.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import jax
+
+_TRITON_WARNING = r"(?s).*[Tt]riton.*"
+
+
+@contextlib.contextmanager
+def quiet():
+  """Silences the Pallas-Triton deprecation warning (and only it)."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=_TRITON_WARNING, category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=_TRITON_WARNING, category=FutureWarning)
+    yield
+
+
+with quiet():
+  from jax.experimental import pallas as pl  # noqa: E402
+  from jax.experimental.pallas import triton as plgpu  # noqa: E402
+
+dot = plgpu.dot  # `pl.dot` is gone in JAX 0.11; this one works in 0.10 and 0.11.
+load = plgpu.load
+store = plgpu.store
+CompilerParams = plgpu.CompilerParams
+
+
+def use_interpret(interpret: bool | None = None) -> bool:
+  """`interpret` if given, else True exactly when JAX's default backend is not a GPU."""
+  if interpret is not None:
+    return bool(interpret)
+  return jax.default_backend() != "gpu"
+
+
+__all__ = ["pl", "plgpu", "dot", "load", "store", "CompilerParams", "quiet", "use_interpret"]

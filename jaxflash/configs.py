@@ -1,0 +1,174 @@
+"""Block shapes, warps and pipeline depths for each kernel, per GPU generation.
+
+Every table lists candidates from fastest to safest; the first that fits the device's
+shared memory is taken, so an sm_86 card (99 KB a block) and an A100 (163 KB) share the
+Ampere table yet each gets a config that compiles. An explicit config that cannot fit is
+refused with an error that names the budget.
+
+Shared-memory model (Triton's software pipeliner): the Q tile is staged once and each
+pipeline stage past the first holds one more K tile and one more V tile in flight:
+
+    bytes = itemsize * head_dim_padded * (rows_q + max(stages - 1, 1) * 2 * block_k) + reserve
+
+It reproduces the article's 96 KB for 128 x 64 tiles, d = 128, bf16 and 3 stages; the
+reserve covers Triton's scratch for reductions and layout conversions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from jaxflash.device import DeviceInfo, device_info
+
+RESERVE_BYTES = 2 * 1024
+DECODE_QUERY_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to it
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """Triton tiles have power-of-two sides: head dims 80 and 96 run as 128, masked."""
+  return max(16, 1 << (int(head_dim) - 1).bit_length())
+
+
+def _smem_bytes(rows_q: int, block_k: int, num_stages: int, head_dim: int, itemsize: int) -> int:
+  kv_buffers = max(num_stages - 1, 1)
+  return itemsize * padded_head_dim(head_dim) * (rows_q + kv_buffers * 2 * block_k) + RESERVE_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+  """Tiles of the prefill kernel: `block_q` query rows per program, `block_k` keys per step."""
+
+  block_q: int
+  block_k: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    return _smem_bytes(self.block_q, self.block_k, self.num_stages, head_dim, itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Tiles of the decode kernels: `block_k` cache tokens per step (spanning whole pages
+  in the paged kernel, or a part of one page when pages are larger)."""
+
+  block_k: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    return _smem_bytes(DECODE_QUERY_ROWS, self.block_k, self.num_stages, head_dim, itemsize)
+
+
+P, D = PrefillConfig, DecodeConfig
+
+# (generation, head-dim bucket, bytes per element) -> candidates, best first.
+# Hopper rows were tuned on the H200 (bench/prefill.py and bench/decode.py sweeps); Ada rows
+# follow the article's RTX 4060 sweep (128 x 64 tiles, 8 warps, 3 stages at d = 128), Ampere
+# rows sit between the two budgets.
+_PREFILL = {
+    ("hopper", 64, 2): [P(128, 64, 4, 3), P(64, 64, 4, 2)],
+    ("hopper", 128, 2): [P(128, 64, 8, 3), P(128, 64, 4, 2), P(64, 64, 4, 2)],
+    ("hopper", 256, 2): [P(64, 64, 8, 2), P(64, 32, 4, 2), P(32, 32, 4, 2)],
+    ("ada", 64, 2): [P(128, 64, 4, 3), P(64, 64, 4, 2)],
+    ("ada", 128, 2): [P(128, 64, 8, 3), P(64, 64, 4, 2)],
+    ("ada", 256, 2): [P(64, 32, 4, 2), P(32, 32, 4, 2)],
+    ("ampere", 64, 2): [P(128, 64, 4, 3), P(64, 64, 4, 2)],
+    ("ampere", 128, 2): [P(128, 64, 8, 3), P(64, 64, 4, 2)],
+    ("ampere", 256, 2): [P(64, 64, 8, 2), P(64, 32, 4, 2), P(32, 32, 4, 2)],
+}
+_PREFILL_FP32 = [P(64, 32, 4, 2), P(32, 32, 4, 2), P(16, 16, 4, 1)]
+_PREFILL_LAST = [P(32, 32, 4, 2), P(16, 16, 4, 1)]
+
+_DECODE = {
+    ("hopper", 2): [D(64, 4, 3), D(32, 4, 2)],
+    ("ada", 2): [D(64, 4, 2), D(32, 4, 2)],
+    ("ampere", 2): [D(64, 4, 3), D(32, 4, 2)],
+}
+# The paged kernel's table load is a dependent load: it gets one stage more (the article).
+_PAGED = {
+    ("hopper", 2): [D(32, 4, 5), D(32, 4, 3)],
+    ("ada", 2): [D(32, 4, 5), D(32, 4, 3)],
+    ("ampere", 2): [D(32, 4, 5), D(32, 4, 3)],
+}
+_DECODE_FP32 = [D(32, 4, 2), D(16, 4, 2)]
+_DECODE_LAST = [D(16, 4, 2), D(16, 4, 1)]
+
+
+def _bucket(head_dim: int) -> int:
+  return min(max(padded_head_dim(head_dim), 64), 256)
+
+
+def _generation_key(info: DeviceInfo) -> str:
+  return info.generation if info.generation in ("hopper", "ada", "ampere") else (
+      "hopper" if info.smem_per_block >= 200 * 1024 else "ada")
+
+
+def _first_fit(candidates, head_dim: int, itemsize: int, info: DeviceInfo, what: str):
+  for config in candidates:
+    if config.smem_bytes(head_dim, itemsize) <= info.smem_per_block:
+      return config
+  raise ValueError(f"no {what} config fits {info.name}'s {info.smem_per_block} bytes of shared memory "
+                   f"for head_dim={head_dim}, itemsize={itemsize}")
+
+
+def check_fits(config, head_dim: int, dtype, info: DeviceInfo | None = None) -> None:
+  """Raises ValueError when `config` needs more shared memory than `info` grants a block."""
+  info = info or device_info()
+  itemsize = jnp.dtype(dtype).itemsize
+  need = config.smem_bytes(head_dim, itemsize)
+  if need > info.smem_per_block:
+    raise ValueError(
+        f"{config} needs ~{need} bytes of shared memory for head_dim={head_dim} and "
+        f"{jnp.dtype(dtype).name}, over the {info.smem_per_block}-byte budget of a block on "
+        f"{info.name} (sm_{info.compute_capability[0]}{info.compute_capability[1]}); "
+        "use smaller tiles or fewer stages")
+
+
+def prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> PrefillConfig:
+  """The tuned prefill config for this head dim and dtype on `info` (default: this GPU)."""
+  info = info or device_info()
+  itemsize = jnp.dtype(dtype).itemsize
+  table = _PREFILL_FP32 if itemsize > 2 else _PREFILL.get(
+      (_generation_key(info), _bucket(head_dim), itemsize), [])
+  return _first_fit([*table, *_PREFILL_LAST], head_dim, itemsize, info, "prefill")
+
+
+def decode_config(head_dim: int, dtype, info: DeviceInfo | None = None, *, paged: bool = False) -> DecodeConfig:
+  """The tuned decode (or paged decode) config for this head dim and dtype on `info`."""
+  info = info or device_info()
+  itemsize = jnp.dtype(dtype).itemsize
+  tables = _PAGED if paged else _DECODE
+  table = _DECODE_FP32 if itemsize > 2 else tables.get((_generation_key(info), itemsize), [])
+  return _first_fit([*table, *_DECODE_LAST], head_dim, itemsize, info, "decode")
+
+
+def all_configs():
+  """Every (generation, config) the tables can pick: for the tests' budget checks."""
+  for (gen, *_), candidates in _PREFILL.items():
+    yield from ((gen, c) for c in candidates)
+  for (gen, _), candidates in [*_DECODE.items(), *_PAGED.items()]:
+    yield from ((gen, c) for c in candidates)
+  for c in [*_PREFILL_FP32, *_PREFILL_LAST, *_DECODE_FP32, *_DECODE_LAST]:
+    yield None, c
+
+
+MIN_CHUNK_TOKENS = 256  # a split shorter than this spends more on its partial result than it saves
+
+
+def num_splits(batch: int, kv_heads: int, capacity: int, info: DeviceInfo | None = None) -> int:
+  """How many chunks Flash-Decoding cuts each cache into.
+
+  One program runs per (sequence, KV head, chunk). Batch x KV heads programs already
+  exist; chunks multiply them until the SMs are filled once (rounded down to a power of
+  two: on the article's 24-SM laptop GPU that is its best 8 chunks for batch 1 and 2 KV
+  heads), but never so many that a chunk holds fewer than MIN_CHUNK_TOKENS tokens.
+  """
+  info = info or device_info()
+  programs = max(1, batch * kv_heads)
+  fill = max(1, info.sm_count // programs)
+  fill = 1 << (fill.bit_length() - 1)
+  by_length = max(1, math.ceil(capacity / MIN_CHUNK_TOKENS))
+  return int(max(1, min(fill, by_length)))

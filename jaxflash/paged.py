@@ -1,0 +1,196 @@
+"""Paged decode attention: the split-KV kernel reading the cache through a block table.
+
+The pool is [num_pages, page_size, K, H] (FlashAttention's paged layout, the article's
+Step 5) and sequence b's logical page j lives at physical page block_table[b, j]. The
+kernel is jaxflash/decode.py's with one change, the address arithmetic: the pool is viewed
+as rows [num_pages * page_size, K, H] (a free reshape) and token t of sequence b sits at row
+block_table[b, t // page_size] * page_size + t % page_size.
+
+- page_size < block_k: a tile spans block_k / page_size whole pages; it does one small
+  vector load from the block table, then gathers its K and V rows at the addresses it got.
+- page_size >= block_k: a tile is part of one page; one scalar table load, then contiguous
+  rows, as in the contiguous kernel.
+
+The K/V addresses depend on the table load, which costs the software pipeline one stage of
+lookahead (the article); the paged configs (jaxflash.configs) carry one stage more.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash import _checks, configs
+from jaxflash._triton import load, pl, use_interpret
+from jaxflash.configs import DecodeConfig
+from jaxflash.decode import check_decode_query, launch_split_kv, resolve_config
+from jaxflash.reference import attention_reference, gather_pages
+
+__all__ = ["paged_decode_attention", "paged_kv_write", "gather_pages", "block_table_is_valid",
+           "paged_decode_attention_reference"]
+
+
+def _paged_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
+  """Tile addresser over the pool's rows [num_pages * page_size, K, H].
+
+  Table entries are clamped into [0, num_pages): a bad entry reads a wrong page of the
+  pool, never memory outside it (see paged_decode_attention).
+  """
+  # Tokens are non-negative and pages powers of two: shift and mask, not jnp's floor
+  # division (which costs a compare-and-select chain per element).
+  page_shift = page_size.bit_length() - 1
+
+  def page_and_slot(tok):
+    return lax.shift_right_logical(tok, page_shift), tok & (page_size - 1)
+
+  if page_size >= block_k:
+    def tile_index(table_ref, b, h, tok0, key_ok):
+      del key_ok  # tok0 < length, so the one entry read is a valid one
+      logical, slot = page_and_slot(tok0)
+      page = jnp.clip(table_ref[b, logical], 0, num_pages - 1)
+      return (pl.ds(page * page_size + slot, block_k), h, pl.ds(0, head_dim_p))
+    return tile_index
+
+  def tile_index(table_ref, b, h, tok0, key_ok):
+    logical, slot = page_and_slot(tok0 + jnp.arange(block_k))  # [block_k] each
+    # One entry per token (each page's entry repeats page_size times: one vector load of
+    # block_k int32 that the L1 serves). In the ragged last tile the entries of pages past
+    # the sequence's end are masked: they are never read.
+    if key_ok is None:
+      page = load(table_ref.at[b, logical])
+    else:
+      page = load(table_ref.at[b, logical], mask=key_ok, other=0)
+    rows = jnp.clip(page, 0, num_pages - 1) * page_size + slot  # [block_k]
+    return (rows[:, None], h, jnp.arange(head_dim_p)[None, :])
+  return tile_index
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "num_splits", "return_residual", "config", "interpret"))
+def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table, *,
+                           scale=None, num_splits=None, return_residual=False,
+                           config: DecodeConfig | None = None, interpret: bool | None = None):
+  """Decode attention over a paged KV cache, split-KV.
+
+  query [B, 1, N, H]; k_pages, v_pages [num_pages, page_size, K, H] (page_size a power of
+  two from 8, read in place); key_value_seq_lengths [B] int32 (traced: changing them never
+  recompiles; clamped to [0, max_pages * page_size]); block_table [B, max_pages] int32,
+  logical page j of sequence b -> physical page. Only the first ceil(length / page_size)
+  entries of a row are read; pages may be shared between sequences.
+
+  A table entry outside [0, num_pages) is clamped into that range: the kernel never reads
+  outside the pool, but that sequence's result is computed from a wrong page. Check tables
+  with `block_table_is_valid` where that matters.
+
+  Returns out [B, 1, N, H] in the query's dtype, and with `return_residual=True` also lse
+  [B, 1, N] float32 (natural log; -inf for length 0, whose output is zeros). num_splits,
+  config (default `jaxflash.decode_config(H, dtype, paged=True)`) and interpret as in
+  `decode_attention`.
+  """
+  _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages")
+  num_pages, page_size, kv_heads, head_dim = k_pages.shape
+  _checks.check_page_size(page_size)
+  batch = query.shape[0]
+  block_table = _checks.check_block_table(block_table, batch)
+  check_decode_query(query, batch, "block_table")
+  if key_value_seq_lengths is None:
+    raise ValueError("paged_decode_attention needs key_value_seq_lengths [B]: the valid tokens "
+                     "per sequence")
+  lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  if num_pages == 0:
+    raise ValueError(f"the pool needs at least one page, got k_pages {tuple(k_pages.shape)}")
+  scale = _checks.default_scale(scale, head_dim)
+  config = resolve_config(config, head_dim, k_pages.dtype, paged=True)
+  num_heads = query.shape[2]
+  head_dim_p = configs.padded_head_dim(head_dim)
+
+  # [num_pages, page, K, H] -> [num_pages * page, K, H]: a bitcast, the pool stays in place.
+  k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+  v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+  out, lse = launch_split_kv(
+      lengths, block_table, query.reshape(batch, num_heads, head_dim), k_rows, v_rows,
+      tile_index=_paged_tile(config.block_k, page_size, num_pages, head_dim_p),
+      out_dtype=query.dtype, kv_heads=kv_heads, capacity=block_table.shape[1] * page_size,
+      scale=scale, num_splits=num_splits, config=config, interpret=use_interpret(interpret),
+      name="jaxflash_paged_decode")
+  out = out.reshape(batch, 1, num_heads, head_dim)
+  lse = lse.reshape(batch, 1, num_heads)
+  return (out, lse) if return_residual else out
+
+
+def block_table_is_valid(block_table, key_value_seq_lengths, *, num_pages: int, page_size: int):
+  """True (a jnp bool scalar) when every table entry the kernel will read lies in
+  [0, num_pages) and every length lies in [0, max_pages * page_size].
+
+  Plain jnp, usable under jit: assert on it outside (`assert block_table_is_valid(...)`) or
+  inside a checkified function (`checkify.check(block_table_is_valid(...), "...")`).
+  """
+  block_table = jnp.asarray(block_table)
+  lengths = jnp.asarray(key_value_seq_lengths)
+  max_pages = block_table.shape[1]
+  lengths_ok = jnp.all((lengths >= 0) & (lengths <= max_pages * page_size))
+  pages_used = (jnp.clip(lengths, 0, max_pages * page_size) + page_size - 1) // page_size  # [B]
+  read = jnp.arange(max_pages)[None, :] < pages_used[:, None]  # [B, max_pages]
+  in_pool = (block_table >= 0) & (block_table < num_pages)
+  return lengths_ok & jnp.all(in_pool | ~read)
+
+
+def paged_kv_write(k_pages, v_pages, block_table, start_positions, k_new, v_new, new_lengths=None):
+  """Writes new tokens into the pool through the block table (plain JAX).
+
+  k_new, v_new [B, T, K, H] land at token positions start_positions[b] + t of sequence b:
+  pool row block_table[b, pos // page_size], slot pos % page_size. Tokens with
+  t >= new_lengths[b] (when given), positions past the table, and entries outside
+  [0, num_pages) are dropped: they write nothing. Returns the updated (k_pages, v_pages);
+  under jit with the pools donated the scatter updates them in place. Two tokens written
+  to one slot leave either one.
+  """
+  for name, x in (("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new), ("v_new", v_new)):
+    _checks.check_float(name, x)
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
+  if k_pages.shape != v_pages.shape or k_new.shape != v_new.shape:
+    raise ValueError(f"k_pages/v_pages and k_new/v_new must match in shape, got k_pages "
+                     f"{tuple(k_pages.shape)}, v_pages {tuple(v_pages.shape)}, k_new "
+                     f"{tuple(k_new.shape)}, v_new {tuple(v_new.shape)}")
+  num_pages, page_size, kv_heads, head_dim = k_pages.shape
+  batch, num_new = k_new.shape[:2]
+  if k_new.shape[2:] != (kv_heads, head_dim):
+    raise ValueError(f"k_new [B, T, K, H] must have the pool's K={kv_heads} and H={head_dim}, "
+                     f"got k_new {tuple(k_new.shape)} and k_pages {tuple(k_pages.shape)}")
+  _checks.check_page_size(page_size)
+  block_table = _checks.check_block_table(block_table, batch)
+  start_positions = _checks.check_lengths("start_positions", start_positions, batch)
+  new_lengths = _checks.check_lengths("new_lengths", new_lengths, batch)
+  max_pages = block_table.shape[1]
+
+  pos = start_positions[:, None] + jnp.arange(num_new)[None, :]  # [B, T]
+  logical = pos // page_size
+  keep = (pos >= 0) & (logical < max_pages)
+  if new_lengths is not None:
+    keep &= jnp.arange(num_new)[None, :] < new_lengths[:, None]
+  page = jnp.take_along_axis(block_table, jnp.clip(logical, 0, max_pages - 1), axis=1)
+  keep &= (page >= 0) & (page < num_pages)
+  # Dropped tokens aim one past the pool, which mode="drop" discards.
+  row = jnp.where(keep, page * page_size + pos % page_size, num_pages * page_size).reshape(-1)
+
+  def write(pages, new):
+    rows = pages.reshape(num_pages * page_size, kv_heads, head_dim)
+    rows = rows.at[row].set(new.reshape(batch * num_new, kv_heads, head_dim).astype(pages.dtype),
+                            mode="drop")
+    return rows.reshape(pages.shape)
+
+  return write(k_pages, k_new), write(v_pages, v_new)
+
+
+def paged_decode_attention_reference(query, k_pages, v_pages, key_value_seq_lengths, block_table, *,
+                                     scale=None):
+  """Plain JAX: gather the pages into contiguous caches, then attend (for checking)."""
+  capacity = block_table.shape[1] * k_pages.shape[1]
+  lengths = jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity)
+  table = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)
+  return attention_reference(query, gather_pages(k_pages, table), gather_pages(v_pages, table),
+                             scale=_checks.default_scale(scale, query.shape[-1]),
+                             key_value_seq_lengths=lengths)

@@ -1,0 +1,212 @@
+"""Sharded inputs: how `jaxflash.attention` runs under `jax.jit` on a mesh.
+
+A `pallas_call` is one opaque custom call to XLA's SPMD partitioner. Left alone, the
+partitioner cannot tell that attention is independent per sequence and per query head, so
+it all-gathers every operand onto every device and runs the whole problem everywhere.
+`custom_partitioning` tells it otherwise: each kernel call here carries
+
+- a Shardy rule (`SdyShardingRule`) naming the dimensions, so sharding propagates between
+  the operands and the results, batch to batch and query heads to query heads;
+- a `partition` callback that picks, at compile time, the mesh axes the batch and the
+  heads stay split over, and runs the unchanged kernel on each device's shard. The
+  kernels then see local shapes, so their block sizes and KV splits fit each shard.
+
+What stays split:
+
+- Batch (data parallel): query, key/value, lengths, block_table and the results split
+  their batch dimension over the same mesh axes. A page pool has no batch dimension (the
+  block table holds global page ids), so it is replicated over the batch axes and split
+  over the head axes only.
+- Heads (tensor parallel): the query's head split leads (the key's is taken when the query
+  has none). Over d devices each keeps whole GQA groups when K % d == 0: N/d query heads
+  with their K/d KV heads. When d is a multiple of K instead (2 KV heads on 4 devices),
+  key/value must be replicated over the head axes, which costs no collective when they
+  arrive so (a model that replicates its KV projections); each device slices the one KV
+  head its N/d query heads read. That slice is a local copy of 1/K of key/value per call:
+  for a decode cache, rather repeat the KV heads up to d in the model (head j a copy of
+  head j // (d / K)), so the cache splits evenly. When neither divides the other, or d
+  does not divide N, heads are computed replicated and a warning says so.
+- Every other dimension (query and key tokens, head dim, pages, page size, table width)
+  is computed replicated: an operand split over one is gathered by XLA first.
+
+Not supported: operands whose sharding no PartitionSpec of the mesh can express (a mesh
+axis split over two dimensions, as a reshape of a [.., K * H] projection split over more
+devices than K gives): custom_partitioning fails to read them. Replicate such a
+projection, or repeat its KV heads up to the device count.
+
+On one device nothing here runs: the kernel is called directly, so the single-device
+program is exactly the kernel's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import warnings
+
+import jax
+from jax import lax
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+# Dimension names of every operand and result: b batch, t query tokens, n query heads,
+# h head dim, s key tokens, k KV heads, p pages, z page size, m table width. Only b, n and
+# k may stay split.
+DENSE_OPERANDS = (("b", "t", "n", "h"),  # query [B, T, N, H]
+                  ("b", "s", "k", "h"),  # key [B, S, K, H]
+                  ("b", "s", "k", "h"),  # value [B, S, K, H]
+                  ("b",),                # query_seq_lengths [B]
+                  ("b",))                # key_value_seq_lengths [B]
+PAGED_OPERANDS = (("b", "t", "n", "h"),  # query [B, 1, N, H]
+                  ("p", "z", "k", "h"),  # key pages [P, page_size, K, H]
+                  ("p", "z", "k", "h"),  # value pages [P, page_size, K, H]
+                  ("b",),                # key_value_seq_lengths [B]
+                  ("b", "m"))            # block_table [B, max_pages]
+RESULTS = (("b", "t", "n", "h"),  # out [B, T, N, H]
+           ("b", "t", "n"))       # lse [B, T, N]
+
+
+def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_lengths=None):
+  """kernel(query, key, value, q_lengths, kv_lengths) -> (out, lse), sharding-aware.
+
+  query [B, T, N, H], key/value [B, S, K, H], lengths [B] or None.
+  """
+  return _call(kernel, DENSE_OPERANDS,
+               (query, key, value, query_seq_lengths, key_value_seq_lengths))
+
+
+def decode(kernel, query, key, value, key_value_seq_lengths=None):
+  """kernel(query, key, value, kv_lengths) -> (out, lse), sharding-aware (`prefill` without
+  query lengths). query [B, 1, N, H], caches [B, S, K, H], lengths [B] or None."""
+  return prefill(lambda q, k, v, _, kv_lengths: kernel(q, k, v, kv_lengths),
+               query, key, value, None, key_value_seq_lengths)
+
+
+def paged(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_table):
+  """kernel(query, key_pages, value_pages, kv_lengths, block_table) -> (out, lse),
+  sharding-aware. query [B, 1, N, H], pages [P, page_size, K, H], lengths [B],
+  block_table [B, max_pages]."""
+  return _call(kernel, PAGED_OPERANDS,
+               (query, key_pages, value_pages, key_value_seq_lengths, block_table))
+
+
+def _call(kernel, operand_dims, operands):
+  if jax.device_count() == 1:
+    # Nothing to partition: the single-device program stays exactly the kernel's.
+    return kernel(*operands)
+  # custom_partitioning takes arrays only: absent optional operands (None) are left out
+  # here and put back in front of the kernel.
+  present = tuple(i for i, x in enumerate(operands) if x is not None)
+  dims = tuple(operand_dims[i] for i in present)
+
+  def run(*arrays):
+    full = [None] * len(operands)
+    for i, x in zip(present, arrays):
+      full[i] = x
+    return tuple(kernel(*full))
+
+  heads = (operands[0].shape[2], operands[1].shape[2])  # N, K
+  call = custom_partitioning(run)
+  callbacks = dict(partition=functools.partial(_partition, run, dims, heads),
+                   sharding_rule=_sharding_rule(dims))
+  if "infer_sharding_from_operands" in inspect.signature(call.def_partition).parameters:
+    # Only read by the GSPMD partitioner (jax_use_shardy_partitioner=False).
+    callbacks["infer_sharding_from_operands"] = functools.partial(_infer, dims, heads)
+  call.def_partition(**callbacks)
+  return call(*(operands[i] for i in present))
+
+
+def _sharding_rule(dims) -> SdyShardingRule:
+  """Shardy's view of the call: b, n and k pass through, every other factor replicates.
+
+  Query heads n and KV heads k are separate factors on purpose. As the compound (k, g),
+  with fewer KV heads than devices Shardy splits a mesh axis into sub-axes over k and g
+  and hands the call a key split over a sub-axis, which no PartitionSpec expresses;
+  `_partition` ties the two instead.
+  """
+  factors = []  # in order of first appearance: Shardy wants special factors sorted so
+  for names in dims + RESULTS:
+    factors += [name for name in names if name not in factors]
+  return SdyShardingRule(
+      tuple(ArrayMapping(*names) for names in dims),
+      tuple(ArrayMapping(*names) for names in RESULTS),
+      need_replication_factors=tuple(f for f in factors if f not in ("b", "n", "k")))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Mesh axes the batch and the heads stay split over, and how the KV heads follow."""
+
+  batch_axes: tuple[str, ...]
+  head_axes: tuple[str, ...]
+  kv_split: bool  # True: KV heads split with the query's; False: replicated, sliced per device
+  kv_share: int = 1  # devices along head_axes that read the same KV head (kv_split False)
+
+  def axes(self, name: str):
+    axes = {"b": self.batch_axes, "n": self.head_axes,
+            "k": self.head_axes if self.kv_split else ()}.get(name, ())
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+  def shardings(self, mesh, dims):
+    return tuple(NamedSharding(mesh, PartitionSpec(*(self.axes(n) for n in names)))
+                 for names in dims)
+
+
+def _spec_axes(sharding, ndim: int):
+  """Mesh axes of each dimension, as tuples (empty: not split)."""
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  return tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
+
+
+def _axes_size(mesh, axes) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _plan(mesh, dims, arg_shapes, heads: tuple[int, int]) -> _Plan:
+  """Keeps the batch and head splits the operands already have, where the kernel can."""
+  num_heads, num_kv_heads = heads
+  found = {}
+  for names, arg in zip(dims, arg_shapes):  # the query first, then key/value, then the rest
+    for name, axes in zip(names, _spec_axes(arg.sharding, len(names))):
+      group = "heads" if name in ("n", "k") else name
+      if axes and group not in found and group in ("b", "heads"):
+        found[group] = axes
+  batch_axes = found.get("b", ())
+  head_axes = tuple(a for a in found.get("heads", ()) if a not in batch_axes)
+  if arg_shapes[0].shape[0] % _axes_size(mesh, batch_axes):
+    batch_axes = ()
+  devices = _axes_size(mesh, head_axes)
+  if devices == 1:
+    return _Plan(batch_axes, (), True)
+  if num_heads % devices == 0 and num_kv_heads % devices == 0:
+    return _Plan(batch_axes, head_axes, True)
+  if num_heads % devices == 0 and devices % num_kv_heads == 0:
+    return _Plan(batch_axes, head_axes, False, devices // num_kv_heads)
+  warnings.warn(
+      f"jaxflash.attention: {num_heads} query heads and {num_kv_heads} KV heads cannot be split "
+      f"over the {devices} devices of mesh axes {head_axes}; computing heads replicated "
+      f"(XLA gathers them). Use a head count divisible by the devices.", stacklevel=2)
+  return _Plan(batch_axes, (), True)
+
+
+def _infer(dims, heads, mesh, arg_shapes, result_shape):
+  """GSPMD propagation: the results' shardings from the operands'."""
+  del result_shape
+  return _plan(mesh, dims, arg_shapes, heads).shardings(mesh, RESULTS)
+
+
+def _partition(run, dims, heads, mesh, arg_shapes, result_shape):
+  """Operand and result shardings of the plan, and the per-device computation."""
+  del result_shape  # Shardy's guess; the plan's results replace it (XLA reshards if needed)
+  plan = _plan(mesh, dims, arg_shapes, heads)
+
+  def per_device(*xs):
+    if plan.head_axes and not plan.kv_split:
+      # This device's N/d query heads all read KV head (device position) // (d / K).
+      kv_head = lax.axis_index(plan.head_axes) // plan.kv_share
+      xs = tuple(lax.dynamic_slice_in_dim(x, kv_head, 1, axis=names.index("k"))
+                 if "k" in names else x for x, names in zip(xs, dims))
+    return run(*xs)
+
+  return mesh, per_device, plan.shardings(mesh, RESULTS), plan.shardings(mesh, dims)

@@ -1,0 +1,1 @@
+"""Models built on jaxflash: `models.qwen2` (Qwen2 / Qwen2.5 in Flax NNX)."""

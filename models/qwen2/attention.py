@@ -1,0 +1,92 @@
+"""Qwen2 self-attention: GQA with biased q/k/v projections and RoPE, computed by jaxflash.
+
+Which kernel runs:
+  * no cache, or a prompt written into an empty cache (T > 1): the FlashAttention-2 prefill
+    kernel over the new tokens' own keys, causal, with `query_seq_lengths` =
+    `key_value_seq_lengths` = the valid (unpadded) tokens of each right-padded row;
+  * one new token per sequence with a cache (T == 1): the split-KV decode kernel over the
+    contiguous cache, or the paged decode kernel through the block table.
+`attention_impl` switches the same calls to jaxflash's plain-JAX path ("xla") or to
+`jax.nn.dot_product_attention(implementation="cudnn")` ("cudnn", for benchmarks).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxflash
+from models.qwen2.cache import LayerKV
+from models.qwen2.config import ATTENTION_IMPLS
+from models.qwen2.initializers import dense_init
+from models.qwen2.rope import apply_rope
+
+
+def dot_product_attention(query, key, value, *, impl: str | None, is_causal: bool = False,
+                          query_lengths=None, kv_lengths=None, block_table=None):
+  """query [B, T, N, H]; key/value [B, S, K, H] or pages [P, page, K, H] with block_table
+  [B, max_pages]; lengths [B] int32 -> [B, T, N, H]. Causal is bottom-right per sequence."""
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+  if impl == "cudnn":
+    if block_table is not None:
+      key, value = jaxflash.gather_pages(key, block_table), jaxflash.gather_pages(value, block_table)
+    # jax.nn's causal mask is top-left aligned; the model only asks for causal attention
+    # when T == S (a prompt over its own keys), where both alignments agree.
+    return jax.nn.dot_product_attention(query, key, value, is_causal=is_causal,
+                                        query_seq_lengths=query_lengths,
+                                        key_value_seq_lengths=kv_lengths, implementation="cudnn")
+  return jaxflash.attention(query, key, value, is_causal=is_causal, query_seq_lengths=query_lengths,
+                            key_value_seq_lengths=kv_lengths, block_table=block_table,
+                            implementation=impl)
+
+
+class Attention(nnx.Module):
+  """x [B, T, hidden] -> [B, T, hidden]: `num_heads` query heads share `num_kv_heads`
+  key/value heads (query head n reads KV head n // (num_heads // num_kv_heads))."""
+
+  def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+               rope_theta: float, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = head_dim
+    self.rope_theta = rope_theta
+    dense = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=dense_init, rngs=rngs)
+    self.q_proj = nnx.Linear(hidden_size, num_heads * head_dim, use_bias=True, **dense)
+    self.k_proj = nnx.Linear(hidden_size, num_kv_heads * head_dim, use_bias=True, **dense)
+    self.v_proj = nnx.Linear(hidden_size, num_kv_heads * head_dim, use_bias=True, **dense)
+    self.o_proj = nnx.Linear(num_heads * head_dim, hidden_size, use_bias=False, **dense)
+
+  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], lengths: jax.Array | None,
+               kv: LayerKV | None = None, *, attention_impl: str | None = None
+               ) -> tuple[jax.Array, LayerKV | None]:
+    """x [B, T, hidden]; rope = (cos, sin) [B, T, head_dim/2]; lengths [B] valid new tokens
+    per row (None: all T). With `kv`, the new keys/values are written to it and the
+    updated LayerKV is returned; with T > 1 the cache must not hold earlier tokens of these
+    sequences (prefill from scratch: the prompt attends to itself only)."""
+    batch, steps, _ = x.shape
+    with jax.named_scope("qkv_projection"):
+      q = self.q_proj(x).reshape(batch, steps, self.num_heads, self.head_dim)
+      k = self.k_proj(x).reshape(batch, steps, self.num_kv_heads, self.head_dim)
+      v = self.v_proj(x).reshape(batch, steps, self.num_kv_heads, self.head_dim)
+    with jax.named_scope("rope"):
+      q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+
+    if kv is not None:
+      new_lengths = jnp.full((batch,), steps, jnp.int32) if lengths is None else lengths
+      with jax.named_scope("kv_cache_write"):
+        kv = kv.write(k, v, new_lengths)
+
+    with jax.named_scope("attention"):
+      if kv is None or steps > 1:
+        out = dot_product_attention(q, k, v, impl=attention_impl, is_causal=True,
+                                    query_lengths=lengths, kv_lengths=lengths)
+      else:
+        # One new token: it sees every cached key (a bottom-right diagonal at S_b),
+        # so the decode kernels need no causal mask, only the lengths.
+        out = dot_product_attention(q.astype(kv.keys.dtype), kv.keys, kv.values,
+                                    impl=attention_impl, kv_lengths=kv.lengths + new_lengths,
+                                    block_table=kv.block_table)
+    with jax.named_scope("output_projection"):
+      out = self.o_proj(out.reshape(batch, steps, self.num_heads * self.head_dim).astype(x.dtype))
+    return out, kv

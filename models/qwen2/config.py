@@ -1,0 +1,132 @@
+"""Qwen2 / Qwen2.5 hyperparameters: a frozen dataclass mapped by name from a Hugging Face
+`config.json`, with presets for the published Qwen2.5 shapes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+# Values `attention_impl` may take: None (the jaxflash kernels), "xla" (jaxflash's plain-JAX
+# path) or "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`, for benchmarks).
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+  """Shapes and constants of a Qwen2 decoder; field names follow `config.json`."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int | None = None  # None: hidden_size // num_attention_heads (as in HF)
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+  max_position_embeddings: int = 32768
+  tie_word_embeddings: bool = False
+  eos_token_id: int | tuple[int, ...] | None = None
+  torch_dtype: str | None = None  # the checkpoint's dtype, e.g. "bfloat16"
+  attention_impl: str | None = None
+
+  def __post_init__(self):
+    if self.head_dim is None:
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+    if isinstance(self.eos_token_id, list):
+      object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                       f"num_key_value_heads ({self.num_key_value_heads})")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+
+  def replace(self, **changes) -> Qwen2Config:
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def eos_token_ids(self) -> tuple[int, ...]:
+    if self.eos_token_id is None:
+      return ()
+    return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+  # --- Hugging Face config.json -------------------------------------------------------
+
+  @classmethod
+  def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> Qwen2Config:
+    """Maps a Hugging Face Qwen2 `config.json` (as a dict) onto this dataclass."""
+    architectures = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    if model_type not in (None, "qwen2") or (architectures and "Qwen2ForCausalLM" not in architectures):
+      raise ValueError(f"not a Qwen2 checkpoint: model_type={model_type!r}, "
+                       f"architectures={architectures!r}")
+    if hf.get("use_sliding_window"):
+      raise NotImplementedError("Qwen2 sliding-window attention (use_sliding_window=true) is not "
+                                "supported")
+    # transformers >= 5 nests RoPE settings under "rope_parameters"; older files keep
+    # "rope_theta" at the top level and "rope_scaling" beside it.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+      raise NotImplementedError(f"RoPE scaling {rope!r} is not supported")
+    fields = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        eos_token_id=hf.get("eos_token_id"),
+        torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+  @classmethod
+  def from_pretrained(cls, path: str | os.PathLike, **overrides) -> Qwen2Config:
+    """Reads `path/config.json` (or `path` itself when it is the json file)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+      path = os.path.join(path, "config.json")
+    with open(path) as f:
+      return cls.from_hf_dict(json.load(f), **overrides)
+
+  # --- presets: the published Qwen2.5 shapes -------------------------------------------
+
+  @classmethod
+  def qwen2_5_0_5b(cls, **overrides) -> Qwen2Config:
+    return cls(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+               num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+               eos_token_id=151643, torch_dtype="bfloat16").replace(**overrides)
+
+  @classmethod
+  def qwen2_5_1_5b(cls, **overrides) -> Qwen2Config:
+    return cls(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+               num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+               eos_token_id=151643, torch_dtype="bfloat16").replace(**overrides)
+
+  @classmethod
+  def qwen2_5_7b(cls, **overrides) -> Qwen2Config:
+    return cls(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+               eos_token_id=151643, torch_dtype="bfloat16").replace(**overrides)
+
+  @classmethod
+  def tiny(cls, **overrides) -> Qwen2Config:
+    """Two layers, hidden 64, GQA 4:2 with head dim 16: for tests on the CPU."""
+    return cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+               max_position_embeddings=512, tie_word_embeddings=True).replace(**overrides)
+
+
+PRESETS = {
+    "qwen2.5-0.5b": Qwen2Config.qwen2_5_0_5b,
+    "qwen2.5-1.5b": Qwen2Config.qwen2_5_1_5b,
+    "qwen2.5-7b": Qwen2Config.qwen2_5_7b,
+    "tiny": Qwen2Config.tiny,
+}

@@ -1,0 +1,271 @@
+"""Text generation: a jitted prefill, ONE jitted decode step, and a host loop around them.
+
+Shapes stay few so compilations stay few: prompts are right-padded to a power-of-two
+bucket (>= 16 tokens), the cache capacity is rounded up to a multiple of 64 tokens, and
+the decode step is a pure function of `nnx.split(model)`'s state with the cache donated
+(updated in place). The paged cache's block table is int32 *data*, so growing a sequence
+by a page never recompiles.
+
+The host loop runs one step behind the device: it dispatches step s, then reads the
+tokens of step s - 1 while step s runs, so reading tokens (for EOS, streaming, and the
+page allocator) does not stall the GPU. A sequence that hits EOS is marked done on the
+device in the same step; later steps neither write its cache nor emit tokens for it.
+
+EOS handling: the returned tokens of a sequence end with its EOS token when it produced
+one (EOS included, as Hugging Face's `generate` returns it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.qwen2.allocator import PageAllocator
+from models.qwen2.cache import ContiguousCache, PagedCache
+from models.qwen2.model import Qwen2ForCausalLM
+from models.qwen2.sampling import SamplingParams, sample_logits
+
+MIN_PROMPT_BUCKET = 16
+CAPACITY_MULTIPLE = 64
+CACHE_KINDS = ("paged", "contiguous")
+ATTENTION_CHOICES = (None, "jaxflash", "pallas", "xla", "cudnn")
+
+
+def prompt_bucket(length: int) -> int:
+  """The padded prompt length: the next power of two, at least MIN_PROMPT_BUCKET."""
+  return max(MIN_PROMPT_BUCKET, 1 << (max(length, 1) - 1).bit_length())
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+def resolve_attention_impl(model: Qwen2ForCausalLM, impl):
+  """None -> the model's setting; "jaxflash" / "pallas" -> None (the kernels); "xla" and
+  "cudnn" as they are."""
+  if impl not in ATTENTION_CHOICES:
+    raise ValueError(f"attention_impl must be one of {ATTENTION_CHOICES}, got {impl!r}")
+  if impl is None:
+    return model.attention_impl
+  return None if impl in ("jaxflash", "pallas") else impl
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "attention_impl"),
+                   donate_argnames=("cache",))
+def prefill_step(graphdef, state, tokens, lengths, cache, key, eos_ids, *,
+                 sampling: SamplingParams, attention_impl):
+  """Runs the prompts and samples each one's first new token.
+
+  tokens [B, T] int32 right-padded prompts; lengths [B] int32 their lengths; cache empty.
+  Returns (first tokens [B] int32, done [B] bool, cache holding the prompts).
+  """
+  model = nnx.merge(graphdef, state)
+  with jax.named_scope("prefill"):
+    hidden, cache = model.hidden_states(tokens, None, cache, lengths=lengths,
+                                        attention_impl=attention_impl)
+  batch = tokens.shape[0]
+  last = hidden[jnp.arange(batch), lengths - 1]  # [B, hidden]: the LM head sees one row each
+  logits = model.logits(last)  # [B, vocab]
+  with jax.named_scope("sample"):
+    next_tokens = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
+  return next_tokens, jnp.isin(next_tokens, eos_ids), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "attention_impl"),
+                   donate_argnames=("cache",))
+def decode_step(graphdef, state, tokens, done, cache, key, step, eos_ids, *,
+                sampling: SamplingParams, attention_impl):
+  """One token per sequence: tokens [B] int32 (the last sampled), done [B] bool.
+
+  Writes the tokens' keys/values (not for done rows), samples the next tokens, and
+  returns (next tokens [B] int32, done [B] bool, cache). `step` (int32) seeds the key.
+  """
+  model = nnx.merge(graphdef, state)
+  active = (~done).astype(jnp.int32)  # finished rows write nothing
+  with jax.named_scope("decode"):
+    hidden, cache = model.hidden_states(tokens[:, None], None, cache, lengths=active,
+                                        attention_impl=attention_impl)
+  logits = model.logits(hidden[:, 0])  # [B, vocab]
+  with jax.named_scope("sample"):
+    next_tokens = sample_logits(logits, jax.random.fold_in(key, step), sampling)
+  next_tokens = jnp.where(done, 0, next_tokens)
+  return next_tokens, done | jnp.isin(next_tokens, eos_ids), cache
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+  """New tokens per prompt and wall-clock timings (the first call includes compilation)."""
+
+  tokens: list[list[int]]
+  prefill_seconds: float  # prompts in -> first tokens on the host
+  decode_seconds: float  # first tokens -> last tokens on the host
+  decode_steps: int
+
+  @property
+  def decode_tokens(self) -> int:
+    return sum(max(len(t) - 1, 0) for t in self.tokens)
+
+  @property
+  def decode_tokens_per_second(self) -> float:
+    return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+class Sampler:
+  """Generates with `model` through a contiguous or paged KV cache.
+
+  cache: "paged" (page pools + block tables, pages handed out as sequences grow and
+  returned when they finish) or "contiguous" ([B, S, K, H] per layer). attention_impl:
+  None (the model's own setting), "jaxflash" (the kernels), "xla" or "cudnn".
+  """
+
+  def __init__(self, model: Qwen2ForCausalLM, *, cache: str = "paged", page_size: int = 16,
+               num_pages: int | None = None, attention_impl: str | None = None):
+    if cache not in CACHE_KINDS:
+      raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
+    self.config = model.config
+    self.cache_dtype = model.dtype
+    self.graphdef, self.state = nnx.split(model)
+    self.cache_kind = cache
+    self.page_size = page_size
+    self.num_pages = num_pages
+    self.attention_impl = resolve_attention_impl(model, attention_impl)
+    self.allocator: PageAllocator | None = None  # the last call's (for inspection)
+
+  def capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
+    """Cache tokens per sequence: the longest prompt plus the new tokens, rounded up."""
+    multiple = max(CAPACITY_MULTIPLE, self.page_size if self.cache_kind == "paged" else 1)
+    return _round_up(longest_prompt + max_new_tokens, multiple)
+
+  def make_cache(self, batch: int, capacity: int):
+    if self.cache_kind == "paged":
+      return PagedCache.create(self.config, batch, capacity, self.cache_dtype,
+                               page_size=self.page_size, num_pages=self.num_pages)
+    return ContiguousCache.create(self.config, batch, capacity, self.cache_dtype)
+
+  def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               eos_token_id=None, seed: int = 0,
+               stream: Callable[[list[int | None]], bool | None] | None = None) -> GenerationOutput:
+    """See `generate`; returns the tokens with timings."""
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+      raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    vocab = self.config.vocab_size
+    if any(not 0 <= t < vocab for p in prompts for t in p):
+      raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    longest = max(map(len, prompts))
+    if longest + max_new_tokens > self.config.max_position_embeddings:
+      raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
+                       f"max_position_embeddings ({self.config.max_position_embeddings})")
+    sampling = SamplingParams(temperature, top_k, top_p)
+    if eos_token_id is None:
+      eos = self.config.eos_token_ids
+    else:
+      eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    eos_set = set(eos)
+    eos_ids = jnp.asarray(eos or (-1,), jnp.int32)
+
+    batch = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((batch, prompt_bucket(longest)), np.int32)
+    for row, prompt in enumerate(prompts):
+      tokens[row, :len(prompt)] = prompt
+    capacity = self.capacity(longest, max_new_tokens)
+    cache = self.make_cache(batch, capacity)
+    allocator = None
+    if self.cache_kind == "paged":
+      allocator = PageAllocator(cache.num_pages, self.page_size, batch,
+                                cache.block_table.shape[1])
+      for row in range(batch):
+        allocator.reserve(row, int(lengths[row]))
+      cache = dataclasses.replace(cache, block_table=jnp.asarray(allocator.block_table))
+      allocator.changed = False
+    self.allocator = allocator
+    key = jax.random.key(seed)
+    statics = dict(sampling=sampling, attention_impl=self.attention_impl)
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    finished = np.zeros((batch,), bool)
+
+    def finish(row: int) -> None:
+      finished[row] = True
+      if allocator is not None:
+        allocator.release(row)
+
+    def consume(step_tokens) -> None:
+      """Reads one step's tokens (a host sync) and books them."""
+      values = np.asarray(step_tokens)
+      emitted: list[int | None] = [None] * batch
+      for row in np.flatnonzero(~finished):
+        token = int(values[row])
+        outputs[row].append(token)
+        emitted[row] = token
+        if token in eos_set or len(outputs[row]) >= max_new_tokens:
+          finish(row)
+      if stream is not None and stream(emitted):
+        for row in np.flatnonzero(~finished):
+          finish(row)
+
+    start = time.perf_counter()
+    next_tokens, done, cache = prefill_step(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lengths),
+                                            cache, key, eos_ids, **statics)
+    consume(next_tokens)
+    prefill_seconds = time.perf_counter() - start
+
+    positions = lengths.copy()  # where each sequence's next fed token is written
+    pending = None  # the dispatched step whose tokens are not read yet
+    steps = 0
+    decode_start = time.perf_counter()
+    for step in range(1, max_new_tokens):
+      if finished.all():
+        break
+      if allocator is not None:
+        for row in np.flatnonzero(~finished):
+          allocator.reserve(row, int(positions[row]) + 1)
+        if allocator.changed:
+          cache = dataclasses.replace(cache, block_table=jnp.asarray(allocator.block_table))
+          allocator.changed = False
+      next_tokens, done, cache = decode_step(self.graphdef, self.state, next_tokens, done, cache, key,
+                                             jnp.int32(step), eos_ids, **statics)
+      positions += 1
+      steps += 1
+      if pending is not None:
+        consume(pending)
+      pending = next_tokens
+    if pending is not None and not finished.all():
+      consume(pending)
+    decode_seconds = time.perf_counter() - decode_start if steps else 0.0
+    return GenerationOutput(outputs, prefill_seconds, decode_seconds, steps)
+
+
+def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | Sequence[int] | None = None, cache: str = "paged",
+             page_size: int = 16, num_pages: int | None = None, seed: int = 0,
+             stream: Callable[[list[int | None]], bool | None] | None = None,
+             attention_impl: str | None = None) -> list[list[int]]:
+  """Continues each prompt (a list of token ids; lengths may differ) by up to
+  `max_new_tokens` tokens and returns the new tokens per prompt.
+
+  Greedy when temperature == 0, else sampled with temperature and optional top-k / top-p
+  from `jax.random.key(seed)`. A sequence stops after its EOS token, which is included in
+  its output; eos_token_id None means the config's EOS ids (pass () to never stop early).
+  cache: "paged" (page_size tokens a page; num_pages default: enough for every sequence)
+  or "contiguous". stream(step_tokens) is called as tokens arrive with one entry per
+  prompt (None once that prompt has finished); returning True stops generation.
+  attention_impl: None (the model's setting, by default the kernels), "jaxflash", "xla"
+  or "cudnn".
+  """
+  sampler = Sampler(model, cache=cache, page_size=page_size, num_pages=num_pages,
+                    attention_impl=attention_impl)
+  return sampler(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                 eos_token_id=eos_token_id, seed=seed, stream=stream).tokens

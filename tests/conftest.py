@@ -1,0 +1,68 @@
+"""Shared fixtures: every kernel test runs interpreted (any machine) and compiled (GPU only).
+
+`pytest` on a machine without a GPU deselects the compiled half (marker `gpu`);
+`pytest -m gpu` on a GPU runs only the compiled half.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+HAS_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+  if HAS_GPU:
+    return
+  keep, drop = [], []
+  for item in items:
+    (drop if item.get_closest_marker("gpu") else keep).append(item)
+  if drop:
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
+@pytest.fixture(params=[pytest.param(True, id="interpret"),
+                        pytest.param(False, id="compiled", marks=pytest.mark.gpu)])
+def interpret(request):
+  """True: Pallas interpret mode; False: compiled Triton kernels (GPU only)."""
+  return request.param
+
+
+@pytest.fixture
+def rng(request):
+  """A fresh generator per test; its seed is printed so a failure can be replayed."""
+  seed = int(os.environ.get("JAXFLASH_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+  print(f"{request.node.nodeid}: JAXFLASH_TEST_SEED={seed}")
+  return np.random.default_rng(seed)
+
+
+def poison_allocator(*shape_dtypes) -> None:
+  """Fills device memory of the outputs' sizes with NaN and frees it, so the allocator hands
+  poisoned bytes to the next call's outputs: an element a kernel forgets to write reads NaN.
+  (Interpret mode needs no help: Pallas starts its outputs as NaN there.)"""
+  poison = [jnp.full(s.shape, jnp.nan, s.dtype).block_until_ready() for s in shape_dtypes]
+  del poison
+
+
+def random_array(rng, shape, dtype, scale=1.0):
+  return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32), dtype=dtype)
+
+
+def assert_close(actual, expected, dtype, *, what="output"):
+  """Relative-norm and elementwise checks against a float64 reference, by input dtype."""
+  actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  assert not np.isnan(actual).any(), f"{what} has NaN (unwritten or masked rows)"
+  tol = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.float16): 2e-3, jnp.dtype(jnp.bfloat16): 1.6e-2}
+  atol = tol[jnp.dtype(dtype)]
+  finite = np.isfinite(expected)
+  np.testing.assert_array_equal(np.isfinite(actual), finite, err_msg=f"{what}: inf pattern differs")
+  err = np.abs(actual[finite] - expected[finite])
+  assert err.size == 0 or err.max() <= atol * max(1.0, np.abs(expected[finite]).max()), (
+      f"{what}: max error {err.max():.3g} over tolerance {atol} for {jnp.dtype(dtype).name}")

@@ -1,0 +1,241 @@
+"""The FlashAttention-2 prefill kernel against the float64 reference.
+
+Each kernel case runs interpreted (any machine) and compiled (GPU only, `-m gpu`). The
+interpreted shapes stay small; PrefillConfig(16, 16) tiles give them multi-block loops,
+so the unmasked loop, the diagonal blocks and the ragged edges all run.
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import PrefillConfig, prefill_attention
+from jaxflash.prefill import prefill_reference
+from tests.conftest import assert_close, poison_allocator, random_array
+from tests.reference_np import attention_f64
+
+SMALL = PrefillConfig(16, 16, num_warps=4, num_stages=2)
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+def _qkv(rng, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, kv_dtype=None):
+  kv_dtype = kv_dtype or dtype
+  return (random_array(rng, (batch, seq_q, heads, head_dim), dtype),
+          random_array(rng, (batch, seq_kv, kv_heads, head_dim), kv_dtype),
+          random_array(rng, (batch, seq_kv, kv_heads, head_dim), kv_dtype))
+
+
+def _run(q, k, v, q_lengths=None, kv_lengths=None, *, interpret, **kwargs):
+  if not interpret:
+    poison_allocator(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                     jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+  out, lse = prefill_attention(q, k, v, q_lengths, kv_lengths, return_residual=True,
+                               interpret=interpret, **kwargs)
+  chex.assert_shape(out, q.shape)
+  chex.assert_type(out, q.dtype)
+  chex.assert_shape(lse, q.shape[:3])
+  chex.assert_type(lse, jnp.float32)
+  return out, lse
+
+
+def _check(out, lse, q, k, v, *, is_causal, q_lengths=None, kv_lengths=None, scale=None):
+  ref_out, ref_lse = attention_f64(q, k, v, scale=scale, is_causal=is_causal,
+                                   q_lengths=q_lengths, kv_lengths=kv_lengths)
+  assert_close(out, ref_out, q.dtype)
+  # The LSE comes from float32 scores whatever the input dtype: a tighter check than the output.
+  lse_tol = F32 if q.dtype == F32 else F16
+  assert_close(lse, ref_lse, lse_tol, what="lse")
+
+
+# (batch, T, S, N, K, head_dim, dtype, causal, config): pairwise coverage of odd lengths,
+# T < S and T > S, GQA groups 1, 2, 5, 6, 7, 8, every head dim and dtype.
+CASES = [
+    (1, 1, 1, 1, 1, 64, F32, True, SMALL),
+    (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
+    (2, 100, 129, 5, 1, 80, F16, True, SMALL),  # T < S: bottom-right diagonal
+    (1, 129, 100, 6, 1, 96, F32, True, SMALL),  # T > S: the first 29 rows see no key
+    (1, 33, 70, 7, 1, 128, BF16, False, SMALL),
+    (1, 40, 40, 8, 1, 256, F16, False, SMALL),
+    (1, 100, 1, 4, 4, 128, F32, True, SMALL),  # one key: all but the last row are empty
+    (1, 130, 130, 2, 2, 64, F16, False, None),  # default (H200) tiles, ragged edge
+    (2, 1, 129, 4, 2, 96, BF16, True, None),  # one query row
+    (1, 64, 128, 6, 3, 128, BF16, True, None),  # exact multiples: no masked edge at all
+]
+
+
+def _case_id(case):
+  b, t, s, n, k, h, dtype, causal, config = case
+  return (f"b{b}-t{t}-s{s}-n{n}-k{k}-h{h}-{jnp.dtype(dtype).name}-{'causal' if causal else 'full'}"
+          f"-{'small' if config else 'default'}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_reference(case, interpret, rng):
+  batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, causal, config = case
+  q, k, v = _qkv(rng, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
+  out, lse = _run(q, k, v, is_causal=causal, config=config, interpret=interpret)
+  _check(out, lse, q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ragged_lengths_ignore_padding(causal, interpret, rng):
+  # Sequences: full; short queries over a long cache; zero keys; zero queries; more queries
+  # than keys (causal: the first rows see nothing); kv shorter than S with T < S.
+  q_lengths = np.array([45, 7, 30, 0, 45, 20], np.int32)
+  kv_lengths = np.array([61, 61, 0, 50, 13, 33], np.int32)
+  q, k, v = _qkv(rng, 6, 45, 61, 4, 2, 80, BF16)
+  # Padding holds garbage (NaN and inf): none of it may reach the output.
+  rows, keys = np.arange(45), np.arange(61)
+  pad_q = (rows[None, :] >= q_lengths[:, None])[:, :, None, None]
+  pad_kv = (keys[None, :] >= kv_lengths[:, None])[:, :, None, None]
+  dirty_q = jnp.where(pad_q, jnp.nan, q)
+  dirty_k = jnp.where(pad_kv, jnp.inf, k)
+  dirty_v = jnp.where(pad_kv, jnp.nan, v)
+  out, lse = _run(dirty_q, dirty_k, dirty_v, jnp.asarray(q_lengths), jnp.asarray(kv_lengths),
+                  is_causal=causal, config=SMALL, interpret=interpret)
+  _check(out, lse, q, k, v, is_causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+  out = np.asarray(out.astype(F32))
+  assert (out[np.broadcast_to(pad_q, out.shape)] == 0).all(), "padded query rows must be zeros"
+  assert (out[2] == 0).all() and np.isneginf(np.asarray(lse)[2]).all(), "zero keys: zeros, LSE -inf"
+
+
+def test_mixed_dtypes_and_scale(interpret, rng):
+  # float32 queries over a bfloat16 cache: computed in float32, returned as float32.
+  q, k, v = _qkv(rng, 1, 31, 47, 4, 2, 64, F32, kv_dtype=BF16)
+  out, lse = _run(q, k, v, scale=0.3, is_causal=True, config=SMALL, interpret=interpret)
+  _check(out, lse, q, k, v, is_causal=True, scale=0.3)
+
+
+def test_residual_off_returns_only_the_output(interpret, rng):
+  q, k, v = _qkv(rng, 1, 20, 20, 2, 1, 64, F16)
+  out = prefill_attention(q, k, v, is_causal=True, config=SMALL, interpret=interpret)
+  assert isinstance(out, jax.Array)
+  ref, _ = attention_f64(q, k, v, is_causal=True)
+  assert_close(out, ref, F16)
+
+
+def test_lengths_are_data_not_shapes(rng):
+  """Changing the lengths reuses the compiled kernel: its loop bounds are computed in-kernel."""
+  q, k, v = _qkv(rng, 2, 24, 40, 2, 1, 64, F32)
+  run = lambda ql, kl: prefill_attention(q, k, v, jnp.asarray(ql, jnp.int32), jnp.asarray(kl, jnp.int32),
+                                         is_causal=True, return_residual=True, config=SMALL)
+  run([24, 3], [40, 17])
+  compiled = prefill_attention._cache_size()
+  for ql, kl in [([5, 24], [0, 40]), ([24, 24], [24, 9])]:
+    out, lse = run(ql, kl)
+    _check(out, lse, q, k, v, is_causal=True, q_lengths=np.array(ql), kv_lengths=np.array(kl))
+  assert prefill_attention._cache_size() == compiled
+
+
+def test_explicit_configs(interpret, rng):
+  q, k, v = _qkv(rng, 1, 70, 70, 2, 1, 96, BF16)
+  for config in (PrefillConfig(32, 16, num_warps=4, num_stages=1), PrefillConfig(16, 32)):
+    out, lse = _run(q, k, v, is_causal=True, config=config, interpret=interpret)
+    _check(out, lse, q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("config,error,match", [
+    (PrefillConfig(256, 256, 8, 4), ValueError, "shared memory"),
+    (PrefillConfig(24, 16), ValueError, "block_q"),
+    (PrefillConfig(16, 8), ValueError, "block_k"),
+    ((16, 16), TypeError, "PrefillConfig"),
+])
+def test_bad_configs_are_refused(config, error, match, rng):
+  q, k, v = _qkv(rng, 1, 16, 16, 2, 1, 256, BF16)
+  with pytest.raises(error, match=match):
+    prefill_attention(q, k, v, config=config)
+
+
+def _zeros(shape, dtype=BF16):
+  return jnp.zeros(shape, dtype)
+
+
+BAD_INPUTS = [
+    # (query, key, value, q_lengths, kv_lengths, error, regex naming the argument and shapes)
+    ((2, 8, 4, 64), (2, 8, 4), (2, 8, 4), None, None, ValueError, r"key must have rank 4.*\(2, 8, 4\)"),
+    ((8, 4, 64), (8, 4, 64), (8, 4, 64), None, None, ValueError, r"query must have rank 4.*\(8, 4, 64\)"),
+    ((2, 8, 4, 64), (2, 8, 2, 32), (2, 8, 2, 32), None, None, ValueError,
+     r"same head dim.*\(2, 8, 4, 64\).*\(2, 8, 2, 32\)"),
+    ((2, 8, 6, 64), (2, 8, 4, 64), (2, 8, 4, 64), None, None, ValueError, r"multiple of key heads \(4\)"),
+    ((2, 8, 4, 64), (2, 8, 2, 64), (2, 9, 2, 64), None, None, ValueError,
+     r"key and value must have the same shape.*\(2, 8, 2, 64\).*\(2, 9, 2, 64\)"),
+    ((2, 8, 4, 64), (3, 8, 2, 64), (3, 8, 2, 64), None, None, ValueError, r"batch size.*\(3, 8, 2, 64\)"),
+    ((2, 8, 4, 64), (2, 8, 2, 64), (2, 8, 2, 64), (3,), None, ValueError,
+     r"query_seq_lengths must have shape \(2,\).*\(3,\)"),
+    ((2, 8, 4, 64), (2, 8, 2, 64), (2, 8, 2, 64), None, (2, 1), ValueError,
+     r"key_value_seq_lengths must have shape \(2,\)"),
+]
+
+
+@pytest.mark.parametrize("q_shape,k_shape,v_shape,q_len,kv_len,error,match", BAD_INPUTS)
+def test_bad_shapes_name_the_argument(q_shape, k_shape, v_shape, q_len, kv_len, error, match):
+  lengths = lambda s: None if s is None else jnp.zeros(s, jnp.int32)
+  with pytest.raises(error, match=match):
+    prefill_attention(_zeros(q_shape), _zeros(k_shape), _zeros(v_shape), lengths(q_len), lengths(kv_len))
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "lengths"])
+def test_bad_dtypes_name_the_argument(which):
+  q, k, v = _zeros((1, 8, 2, 64)), _zeros((1, 8, 1, 64)), _zeros((1, 8, 1, 64))
+  lengths = jnp.full((1,), 8, jnp.int32)
+  if which == "query":
+    q = q.astype(jnp.int32)
+  elif which == "key":
+    k = k.astype(jnp.int8)
+  elif which == "value":
+    v = v.astype(jnp.float64) if jax.config.jax_enable_x64 else v.astype(jnp.uint8)
+  else:
+    lengths = lengths.astype(F32)
+  name = "key_value_seq_lengths" if which == "lengths" else which
+  with pytest.raises(TypeError, match=name):
+    prefill_attention(q, k, v, None, lengths)
+
+
+def test_through_the_public_api(rng):
+  """jaxflash.attention: batched and unbatched, under jit and vmap, kernel and "xla" paths."""
+  q, k, v = _qkv(rng, 2, 19, 27, 4, 2, 64, F32)
+  ref_out, ref_lse = attention_f64(q, k, v, is_causal=True)
+  for implementation in (None, "xla"):
+    out, lse = jaxflash.attention(q, k, v, is_causal=True, return_residual=True,
+                                  implementation=implementation)
+    assert_close(out, ref_out, F32)
+    assert_close(lse, ref_lse, F32, what="lse")
+  # Unbatched [T, N, H], inside jit, and vmapped over a batch of them.
+  single = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True))(q[0], k[0], v[0])
+  chex.assert_shape(single, q.shape[1:])
+  assert_close(single, ref_out[0], F32)
+  batched = jax.vmap(lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True))(q, k, v)
+  assert_close(batched, ref_out, F32)
+  # Ragged lengths through the public API match the "xla" path.
+  ql, kl = jnp.array([19, 4], jnp.int32), jnp.array([10, 27], jnp.int32)
+  kwargs = dict(is_causal=False, query_seq_lengths=ql, key_value_seq_lengths=kl)
+  np.testing.assert_allclose(jaxflash.attention(q, k, v, **kwargs),
+                             jaxflash.attention(q, k, v, implementation="xla", **kwargs), atol=2e-5)
+
+
+def test_reference_beside_the_kernel(rng):
+  q, k, v = _qkv(rng, 2, 9, 12, 4, 2, 64, F32)
+  ql, kl = np.array([9, 3]), np.array([12, 0])
+  out, lse = prefill_reference(q, k, v, jnp.asarray(ql), jnp.asarray(kl), is_causal=True,
+                               return_residual=True)
+  _check(out, lse, q, k, v, is_causal=True, q_lengths=ql, kv_lengths=kl)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_scratch_memory_is_linear_in_length():
+  """The compiled kernel never materialises the n x n scores: temp memory is O(n)."""
+  def temp_bytes(n):
+    q = jax.ShapeDtypeStruct((1, n, 12, 128), BF16)
+    kv = jax.ShapeDtypeStruct((1, n, 2, 128), BF16)
+    compiled = prefill_attention.lower(q, kv, kv, is_causal=True, return_residual=True).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  small, large = temp_bytes(4096), temp_bytes(16384)
+  scores_16k = 12 * 16384 * 16384 * 2  # what one bf16 score matrix would take
+  assert large <= 4 * max(small, 1 << 20), (small, large)
+  assert large < scores_16k // 100, (small, large)
