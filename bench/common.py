@@ -14,6 +14,7 @@ Trace format (perfetto_trace.json.gz, Chrome trace-event JSON): metadata events
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -41,6 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "h200"
 GPU_PROCESS = "/device:GPU:0"
 WALL_NO_GPU = "wall (no GPU)"
+MAX_ITERS = 50
 DEVICE = "device (profiler: sum of GPU kernel durations)"
 
 # Per-session facts the result files report (how timings were attributed, profiler cost).
@@ -69,11 +71,25 @@ def _is_gpu_process(name: str, device: str) -> bool:
   return name == device or (name.startswith(device) and not name[len(device)].isdigit())
 
 
+def thread_names(trace: dict) -> dict:
+  """(pid, tid) -> thread name, from the ph == "M" / name == "thread_name" metadata events."""
+  return {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+          for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
 def gpu_kernel_events(trace: dict, device: str = GPU_PROCESS) -> list[dict]:
-  """The complete events (kernels, memsets, copies) of the GPU process, sorted by start time."""
+  """The complete events (kernels, memsets, copies) of the GPU process, sorted by start time.
+
+  The profiler can add derived lines to the device ("XLA Ops", "XLA Modules", "Steps"),
+  whose events span the same kernels again: when the process has "Stream #..." threads,
+  only their events count."""
   pids = {pid for pid, name in process_names(trace).items() if _is_gpu_process(name, device)}
   events = [e for e in trace.get("traceEvents", [])
             if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
+  threads = thread_names(trace)
+  streams = {key for key, name in threads.items() if key[0] in pids and name.startswith("Stream")}
+  if streams:
+    events = [e for e in events if (e.get("pid"), e.get("tid")) in streams]
   return sorted(events, key=lambda e: float(e.get("ts", 0.0)))
 
 
@@ -87,6 +103,21 @@ def summarize_kernels(events: Iterable[dict], iters: int) -> tuple[float, dict, 
   total = sum(per_name.values()) / iters
   breakdown = dict(sorted(((k, v / iters) for k, v in per_name.items()), key=lambda kv: -kv[1]))
   return total, breakdown, count / iters
+
+
+def attribute_events(events: Iterable[dict], tags: dict) -> tuple[dict, int]:
+  """Splits kernel events between cases by their "hlo_module" arg: {case: tag} ->
+  ({case: [events whose module name contains its tag]}, number of events matching none)."""
+  by_case: dict[str, list] = {name: [] for name in tags}
+  unassigned = 0
+  for e in events:
+    module = str(e.get("args", {}).get("hlo_module", ""))
+    owner = next((name for name, tag in tags.items() if tag and tag in module), None)
+    if owner is None:
+      unassigned += 1
+    else:
+      by_case[owner].append(e)
+  return by_case, unassigned
 
 
 def find_perfetto_trace(trace_dir) -> Path | None:
@@ -109,6 +140,7 @@ class Timing:
   method: str = DEVICE
   wall_us: float | None = None  # median wall clock per call, for comparison
   temp_bytes: int | None = None  # XLA scratch of the compiled call (memory_analysis)
+  output: Any = dataclasses.field(default=None, repr=False)  # first call's result (keep_output)
 
   def kernel_us(self, *patterns: str) -> float:
     """Sum of the kernels whose name contains any of `patterns` (case-insensitive)."""
@@ -160,7 +192,7 @@ def _run_calls(fn, args, iters: int) -> list[float]:
 
 
 def choose_iters(wall_us: float, sets: int = 1, target_s: float = 0.15, min_iters: int = 3,
-                 max_iters: int = 50) -> int:
+                 max_iters: int = MAX_ITERS) -> int:
   """Enough calls to fill ~target_s of timed work, within [min_iters, max_iters], rounded up
   to a whole number of rotations through `sets` argument sets."""
   n = min_iters if not wall_us or not math.isfinite(wall_us) else int(
@@ -170,13 +202,16 @@ def choose_iters(wall_us: float, sets: int = 1, target_s: float = 0.15, min_iter
 
 def warm_up(fn, args, warmup: int = 2):
   """Runs `fn` `warmup` times, at least once per argument set (the first call compiles);
-  returns (last result, median wall us of the calls after the first)."""
-  sets, out, samples = _arg_sets(args), None, []
+  returns (the first call's result, on the first set; median wall us of the later calls)."""
+  sets, first, samples = _arg_sets(args), None, []
   for i in range(max(warmup, len(sets), 1)):
     t0 = time.perf_counter()
     out = block(fn(*sets[i % len(sets)]))
     samples.append((time.perf_counter() - t0) * 1e6)
-  return out, statistics.median(samples[1:] or samples)
+    if i == 0:
+      first = out
+    del out
+  return first, statistics.median(samples[1:] or samples)
 
 
 def _case_tag(i: int) -> str:
@@ -239,6 +274,7 @@ def device_time_us(fn, *args, warmup: int = 2, iters: int | None = None) -> Timi
 
 
 def device_times_us(cases: dict, *, warmup: int = 2, iters: int | None = None,
+                    max_iters: int = MAX_ITERS, keep_output: bool = False,
                     log: Callable[[str], None] | None = None) -> dict:
   """Times several cases in ONE profiler session: {name: (fn, args)} -> {name: Timing or
   {"error": text}}; args is a tuple, or an ArgSets to rotate through.
@@ -248,22 +284,37 @@ def device_times_us(cases: dict, *, warmup: int = 2, iters: int | None = None,
   is assigned to the case whose module name its "hlo_module" arg carries. If any GPU event
   cannot be assigned that way (no hlo_module, or an unknown one), the attribution is not
   trusted and every case is re-timed in a profiler session of its own (`device_time_us`).
+  max_iters bounds the calls per case (a call that runs many layers needs few, and keeps the
+  trace small); keep_output stores the first call's result (first argument set) in
+  Timing.output, for checking the answer without compiling again.
   """
   log = log or (lambda s: None)
+  outputs = {}
   prepared, results = {}, {}
   for i, (name, (fn, args)) in enumerate(cases.items()):
     tag = _case_tag(i)
     try:
       compiled = compile_named(fn, args, tag)
-      _, wall = warm_up(compiled, args, warmup)
-      n = -(-iters // len(_arg_sets(args))) * len(_arg_sets(args)) if iters else choose_iters(
-          wall, len(_arg_sets(args)))
+      first, wall = warm_up(compiled, args, warmup)
+      if keep_output:
+        outputs[name] = first
+      del first
+      nsets = len(_arg_sets(args))
+      n = -(-iters // nsets) * nsets if iters else choose_iters(wall, nsets, max_iters=max_iters)
       prepared[name] = (tag, compiled, args, n, wall)
     except Exception as e:  # noqa: BLE001 -- one failing peer must not lose the run
       results[name] = {"error": error_text(e)}
       log(f"  {name}: ERROR {error_text(e)[:300]}")
   if not prepared:
     return results
+  results = _time_prepared(prepared, results, log)
+  for name, out in outputs.items():
+    if isinstance(results.get(name), Timing):
+      results[name].output = out
+  return results
+
+
+def _time_prepared(prepared: dict, results: dict, log: Callable[[str], None]) -> dict:
   if not has_gpu():
     for name, (tag, compiled, args, n, wall) in prepared.items():
       med = statistics.median(_run_calls(compiled, args, n))
@@ -282,15 +333,7 @@ def device_times_us(cases: dict, *, warmup: int = 2, iters: int | None = None,
 
   trace = _profile(run)
   events = gpu_kernel_events(trace) if trace else []
-  by_case: dict[str, list] = {name: [] for name in prepared}
-  unassigned = 0
-  for e in events:
-    module = str(e.get("args", {}).get("hlo_module", ""))
-    owner = next((name for name, (tag, *_rest) in prepared.items() if tag in module), None)
-    if owner is None:
-      unassigned += 1
-    else:
-      by_case[owner].append(e)
+  by_case, unassigned = attribute_events(events, {name: p[0] for name, p in prepared.items()})
   trusted = bool(events) and unassigned == 0 and all(by_case[n] for n in prepared if n not in failed)
   if trusted:
     SESSION["attribution"] = SESSION["attribution"] or "hlo_module (one profiler session per group)"
@@ -327,8 +370,10 @@ def wall_time_ms(fn, *args, warmup: int = 3, iters: int = 20) -> float:
 def hbm_read_ceiling_gbs(gib: float = 4.0, *, detail: bool = False):
   """HBM read bandwidth an XLA reduction reaches: sum over `gib` GiB of random bf16, bytes
   read / device time, in GB/s (1e9). The decode kernels are judged against this number."""
-  n = int(gib * 2**30) // 2
-  x = jax.jit(lambda key: jax.random.uniform(key, (n,), jnp.bfloat16))(jax.random.key(0))
+  cols = 4096
+  rows = max(1, int(gib * 2**30) // (2 * cols))
+  n = rows * cols
+  x = jax.jit(lambda key: jax.random.uniform(key, (rows, cols), jnp.bfloat16))(jax.random.key(0))
   total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
   t = device_time_us(total, x, warmup=2, iters=None if has_gpu() else 3)
   nbytes = n * 2
@@ -471,6 +516,15 @@ def format_value(v, fmt=None) -> str:
   return str(v)
 
 
+def value_with_pct(row: dict, key: str, pct_key: str) -> str | None:
+  """A cell such as "2183 (47%)": the value and its share of the ceiling."""
+  value = row.get(key)
+  if value is None:
+    return None
+  pct = row.get(pct_key)
+  return format_value(value) + (f" ({pct:.0f}%)" if pct is not None else "")
+
+
 def _normalize_columns(rows, columns):
   if columns is None:
     keys = []
@@ -488,11 +542,13 @@ def _normalize_columns(rows, columns):
 
 
 def markdown_table(rows: Sequence[dict], columns=None) -> str:
-  """A Markdown table; columns: keys, or (key, header[, format string or callable])."""
+  """A Markdown table; columns: keys, or (key, header[, format string or callable]) where
+  key may also be a callable of the row (a derived cell)."""
   cols = _normalize_columns(rows, columns)
   lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
   for r in rows:
-    lines.append("| " + " | ".join(format_value(r.get(k), f) for k, _, f in cols) + " |")
+    lines.append("| " + " | ".join(format_value(k(r) if callable(k) else r.get(k), f)
+                                   for k, _, f in cols) + " |")
   return "\n".join(lines)
 
 
@@ -632,9 +688,24 @@ def ceilings(matmul_n: int = 8192, hbm_gib: float = 4.0) -> dict:
   return out
 
 
-def ensure_repo_on_path() -> None:
-  if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+def highest_precision():
+  """Context for full-precision float32 matmuls (references): XLA otherwise may use TF32."""
+  ctx = getattr(jax, "default_matmul_precision", None)
+  return ctx("highest") if ctx is not None else contextlib.nullcontext()
+
+
+class Budget:
+  """A script's time budget: cells past it are skipped (and say so), so that results are
+  always written within the one device call that runs the script."""
+
+  def __init__(self, seconds: float):
+    self.start, self.seconds = time.perf_counter(), seconds
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  def exhausted(self) -> bool:
+    return self.elapsed() > self.seconds
 
 
 def smoke_out_dir(prefix: str) -> Path:

@@ -22,7 +22,6 @@ import argparse
 import itertools
 import math
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -53,13 +52,20 @@ PAGED_SWEEP = {"block_k": (16, 32, 64), "num_warps": (4,), "num_stages": (2, 3, 
 # Paged: (q, k_pages, v_pages [P, page, K, H], lengths, block_table [B, S / page]).
 
 def jaxflash_decode(num_splits=None):
-  from jaxflash.decode import decode_attention
-  return lambda q, k, v, lengths: decode_attention(q, k, v, lengths, num_splits=num_splits)
+  def run(q, k, v, lengths):
+    from jaxflash.decode import decode_attention  # here: an import error is one cell's error
+    return decode_attention(q, k, v, lengths, num_splits=num_splits)
+  return run
 
 
-def jaxflash_paged(config=None):
-  from jaxflash.paged import paged_decode_attention
-  return lambda q, kp, vp, lengths, table: paged_decode_attention(q, kp, vp, lengths, table, config=config)
+def jaxflash_paged(tiles=None):
+  """tiles: None (the tuned config) or (block_k, num_warps, num_stages)."""
+  def run(q, k_pages, v_pages, lengths, table):
+    from jaxflash.configs import DecodeConfig
+    from jaxflash.paged import paged_decode_attention
+    config = None if tiles is None else DecodeConfig(*tiles)
+    return paged_decode_attention(q, k_pages, v_pages, lengths, table, config=config)
+  return run
 
 
 def cudnn_decode(q, k, v, lengths):
@@ -169,24 +175,25 @@ def to_pages(cache, table: np.ndarray, page: int):
 # ----------------------------------------------------------------------------- one row
 
 def reference_layer0(layer, lengths):
-  from jaxflash.reference import attention_reference
+  """Layer 0's answer in float32 (full-precision matmuls) on the same bf16 inputs."""
   q, k, v = layer
-  with jax.default_matmul_precision("highest"):
-    out, _ = jax.jit(lambda q, k, v, n: attention_reference(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), scale=HEAD_DIM ** -0.5,
-        key_value_seq_lengths=n))(q, k, v, lengths)
-  return out
+  with common.highest_precision():
+    return jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        key_value_seq_lengths=n, implementation="xla"))(q, k, v, lengths)
 
 
-def max_error(attention, args, ref) -> float | str:
-  out, err = common.try_call(lambda: jax.jit(attention)(*args))
-  if err:
-    return err
-  return float(jnp.max(jnp.abs(out.reshape(ref.shape).astype(jnp.float32) - ref)))
+def max_error(timing, ref) -> float | None:
+  """Max abs error of layer 0 (first argument set) against the float32 reference."""
+  outputs = getattr(timing, "output", None)
+  if not outputs:
+    return None
+  return float(jnp.max(jnp.abs(outputs[0].reshape(ref.shape).astype(jnp.float32) - ref)))
 
 
-def time_group(name_to_attention: dict, layer_sets, shared, budget, row, prefix="") -> dict:
-  """Times each attention over every layer set; fills row[<name>_us/_gbs/...]."""
+def time_group(name_to_attention: dict, layer_sets, shared, budget, row) -> dict:
+  """Times each attention as one compiled call over a set of layers, rotating between the
+  sets, in one profiler session: {name: Timing (per call of all its layers) or error}."""
   sets = common.ArgSets([(tuple(l[0] for l in ls), tuple(l[1] for l in ls), tuple(l[2] for l in ls),
                           *shared) for ls in layer_sets])
   cases = {}
@@ -195,7 +202,9 @@ def time_group(name_to_attention: dict, layer_sets, shared, budget, row, prefix=
       row["errors"][name] = "skipped: time budget"
       continue
     cases[name] = (over_layers(attention), sets)
-  return common.device_times_us(cases, log=log)
+  # Each call already averages over its layers: a few calls suffice, and keep the trace small.
+  max_iters = max(3, min(common.MAX_ITERS, 512 // len(layer_sets[0])))
+  return common.device_times_us(cases, max_iters=max_iters, keep_output=True, log=log)
 
 
 def record(row, name: str, timing, sites: int, nbytes: int, ceiling_gbs, kernel_pattern=None):
@@ -208,7 +217,10 @@ def record(row, name: str, timing, sites: int, nbytes: int, ceiling_gbs, kernel_
   row[f"{name}_us"] = us
   row[f"{name}_gbs"] = nbytes / (us * 1e-6) / 1e9
   row[f"{name}_pct"] = 100 * row[f"{name}_gbs"] / ceiling_gbs if ceiling_gbs else None
-  row["kernels"][name] = {**timing.as_dict(), "us_per_layer": us}
+  row["kernels"][name] = {
+      "us_per_layer": us, "launches_per_layer": timing.launches / sites, "iters": timing.iters,
+      "method": timing.method, "temp_bytes": timing.temp_bytes,
+      "kernels_us_per_layer": {k: v / sites for k, v in list(timing.kernels.items())[:8]}}
   row["method"] = timing.method
   if kernel_pattern and timing.kernels:
     kernel_us = timing.kernel_us(kernel_pattern) / sites
@@ -227,7 +239,6 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
   layer_sets = [layers[i * sites:(i + 1) * sites] for i in range(nsets)]
   lengths = jnp.full((batch,), capacity, jnp.int32)
   ref = reference_layer0(layers[0], lengths)
-  q0, k0, v0 = layers[0]
 
   # Contiguous caches: jaxflash, the jax.nn paths, textbook attention, JAX's Pallas gqa.
   contiguous = {"jaxflash": jaxflash_decode(), "cudnn": cudnn_decode, "xla": xla_decode,
@@ -235,15 +246,15 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
   for s in sweeps.get("splits", ()):
     contiguous[f"splits{s}"] = jaxflash_decode(num_splits=s)
   timings = time_group(contiguous, layer_sets, (lengths,), budget, row)
-  for name, attention in contiguous.items():
+  for name in contiguous:
     pattern = "mha_forward" if name == "pallas_gqa" else None
     gbs = record(row, name, timings.get(name), sites, nbytes, ceiling_gbs, pattern)
     if name.startswith("splits"):
       split_rows.append({"batch": batch, "context": capacity, "num_splits": int(name[6:]), "gbs": gbs,
                          "pct": row.get(f"{name}_pct"), "us": row.get(f"{name}_us"),
                          "error": row["errors"].get(name)})
-    elif name in timings and not isinstance(timings[name], dict):
-      row["max_abs_error"][name] = max_error(attention, (q0, k0, v0, lengths), ref)
+    elif isinstance(timings.get(name), common.Timing):
+      row["max_abs_error"][name] = max_error(timings[name], ref)
 
   # Paged pools built from the same caches through a random block table, one page size at a time.
   for page in (16, 256):
@@ -260,10 +271,9 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
     if page == 16:
       for bk, warps, stages in sweeps.get("paged_configs", ()):
         configs[f"paged_bk{bk}_w{warps}_s{stages}"] = (bk, warps, stages)
-        group[f"paged_bk{bk}_w{warps}_s{stages}"] = _paged_with_config(bk, warps, stages)
+        group[f"paged_bk{bk}_w{warps}_s{stages}"] = jaxflash_paged((bk, warps, stages))
     timings = time_group(group, paged_sets, (lengths, table_j), budget, row)
-    p0 = paged_sets[0][0]
-    for name, attention in group.items():
+    for name in group:
       pattern = "paged_attention" if name.startswith("pallas") else None
       gbs = record(row, name, timings.get(name), sites, nbytes, ceiling_gbs, pattern)
       if name in configs:
@@ -272,39 +282,26 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
                            "num_warps": warps, "num_stages": stages, "gbs": gbs,
                            "pct": row.get(f"{name}_pct"), "us": row.get(f"{name}_us"),
                            "error": row["errors"].get(name)})
-      elif name in timings and not isinstance(timings[name], dict):
-        row["max_abs_error"][name] = max_error(attention, (p0[0], p0[1], p0[2], lengths, table_j), ref)
-    del paged_sets, p0
+      elif isinstance(timings.get(name), common.Timing):
+        row["max_abs_error"][name] = max_error(timings[name], ref)
+    del paged_sets, timings
     common.free_memory()
 
+  jf = row.get("jaxflash_gbs")
+  for key, num, den in (("jf_over_cudnn", jf, row.get("cudnn_gbs")),
+                        ("paged16_over_contiguous", row.get("jaxflash_paged16_gbs"), jf),
+                        ("paged256_over_contiguous", row.get("jaxflash_paged256_gbs"), jf)):
+    row[key] = num / den if num and den else None
   for name in list(row):  # sweep cells live in their own tables
     if name.startswith(("splits", "paged_bk")):
       row.pop(name)
   row["kernels"] = {k: v for k, v in row["kernels"].items() if not k.startswith(("splits", "paged_bk"))}
-  del layers, layer_sets, q0, k0, v0, ref
+  del layers, layer_sets, ref
   common.free_memory()
   return row, split_rows, stage_rows
 
 
-def _paged_with_config(block_k, num_warps, num_stages):
-  from jaxflash.configs import DecodeConfig
-  return jaxflash_paged(DecodeConfig(block_k, num_warps, num_stages))
-
-
 # ----------------------------------------------------------------------------- script
-
-class Budget:
-  """Cells past the time budget are skipped (and say so), so results are always written."""
-
-  def __init__(self, seconds: float):
-    self.start, self.seconds = time.perf_counter(), seconds
-
-  def elapsed(self) -> float:
-    return time.perf_counter() - self.start
-
-  def exhausted(self) -> bool:
-    return self.elapsed() > self.seconds
-
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -313,16 +310,17 @@ def parse_args(argv=None):
   p.add_argument("--no-sweep", dest="sweep", action="store_false")
   p.add_argument("--smoke", action="store_true", help="tiny CPU run end to end (interpret mode)")
   p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
-  p.add_argument("--budget-s", type=float, default=380.0,
+  p.add_argument("--budget-s", type=float, default=360.0,
                  help="skip the cells left after this many seconds (results are still written)")
   p.add_argument("--min-mib", type=float, default=512.0, help="caches per row, MiB (cold reads)")
-  p.add_argument("--max-sites", type=int, default=128, help="layers per compiled call")
+  p.add_argument("--max-sites", type=int, default=64,
+                 help="layers per compiled call (more rotate between argument sets)")
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  budget = Budget(args.budget_s)
+  budget = common.Budget(args.budget_s)
   if args.smoke:
     rows_spec = [(1, 512), (2, 256)]
     split_contexts, stage_context = (512,), 512
@@ -357,7 +355,7 @@ def main(argv=None):
               if common.has_gpu() else common.WALL_NO_GPU),
       smoke=args.smoke, quick=args.quick)
   meta["notes_header"] = [
-      f"GB/s of K+V read per call; % of the HBM read ceiling above. Caches >= {min_bytes / MIB:.0f} MiB "
+      f"GB/s of K+V read per call (% of the HBM read ceiling above). Caches >= {min_bytes / MIB:.0f} MiB "
       "per row (L layers, each its own cache) so every read is cold.",
       "JAX Pallas gqa / paged: their cache layout conversion (transpose to head-major) counts in their "
       "time, as a user pays it; the kernel alone is in the JSON (*_kernel_gbs).",
@@ -440,8 +438,9 @@ def main(argv=None):
 
 def main_columns():
   cols = [("batch", "B"), ("context", "context"), ("layers", "L")]
-  cols += [(f"{n}_gbs", LABELS[n]) for n in IMPLS]
-  cols += [("jaxflash_pct", "jaxflash % of HBM"), ("jaxflash_paged16_pct", "paged 16 % of HBM")]
+  cols += [(lambda r, n=n: common.value_with_pct(r, f"{n}_gbs", f"{n}_pct"), LABELS[n]) for n in IMPLS]
+  cols += [("jf_over_cudnn", "jaxflash / cuDNN", "{:.2f}"),
+           ("paged16_over_contiguous", "paged 16 / contiguous", "{:.3f}")]
   return cols
 
 

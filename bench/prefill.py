@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -27,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
 from bench.common import log  # noqa: E402
@@ -45,9 +43,8 @@ MAX_N_MATERIALIZED = 16384
 # ----------------------------------------------------------------------------- the contenders
 
 def jaxflash_fn(config=None):
-  from jaxflash.prefill import prefill_attention
-
   def run(q, k, v, mask):
+    from jaxflash.prefill import prefill_attention  # here: an import error is one cell's error
     del mask
     return prefill_attention(q, k, v, is_causal=True, config=config)
   return run
@@ -123,7 +120,9 @@ def causal_flops(batch: int, n: int) -> float:
 
 # ----------------------------------------------------------------------------- measurements
 
-def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget) -> dict:
+def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget, check: bool = False) -> dict:
+  """One (batch, n): every contender timed in one profiler session. With `check`, also each
+  one's max abs error against float32 attention (row["max_abs_error"])."""
   row = {"batch": batch, "n": n, "gflop": causal_flops(batch, n) / 1e9, "errors": {}, "kernels": {}}
   q, k, v = make_inputs(batch, n)
   mask = causal_mask(n) if n <= MAX_N_MATERIALIZED else jnp.zeros((1, 1), DTYPE)
@@ -136,7 +135,12 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget) -> dict:
       row["errors"][impl] = "skipped: time budget"
       continue
     cases[impl] = (CONTENDERS[impl], (q, k, v, mask))
-  timings = common.device_times_us(cases, log=log)
+  timings = common.device_times_us(cases, keep_output=check, log=log)
+  if check:
+    ref, err = common.try_call(reference_f32, q, k, v)
+    row["max_abs_error"] = {impl: err if err else float(jnp.max(jnp.abs(
+        t.output.astype(jnp.float32) - ref))) for impl, t in timings.items() if isinstance(t, common.Timing)}
+    del ref
   flops = causal_flops(batch, n)
   for impl in IMPLS:
     t = timings.get(impl)
@@ -150,6 +154,7 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget) -> dict:
     row[f"{impl}_pct"] = 100 * row[f"{impl}_tflops"] / ceiling_tflops if ceiling_tflops else None
     row[f"{impl}_temp_mib"] = None if t.temp_bytes is None else t.temp_bytes / 2**20
     row["kernels"][impl] = t.as_dict()
+    t.output = None
     row["method"] = t.method
   mha = timings.get("pallas_mha")
   if isinstance(mha, common.Timing) and mha.kernels:
@@ -164,23 +169,12 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget) -> dict:
   return row
 
 
-def accuracy(n: int) -> dict:
-  """Max abs error of each implementation against float32 XLA attention (full-precision
-  matmuls) on the same bf16 inputs, batch 1 at n tokens."""
-  from jaxflash.reference import attention_reference
-  q, k, v = make_inputs(1, n, seed=1)
-  with jax.default_matmul_precision("highest"):
-    ref, _ = jax.jit(lambda q, k, v: attention_reference(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-        scale=HEAD_DIM ** -0.5, is_causal=True))(q, k, v)
-  mask = causal_mask(n)
-  errors = {}
-  for impl in IMPLS:
-    out, err = common.try_call(lambda: jax.jit(CONTENDERS[impl])(q, k, v, mask))
-    errors[impl] = err if err else float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
-  del q, k, v, ref
-  common.free_memory()
-  return errors
+def reference_f32(q, k, v):
+  """Causal attention in float32 with full-precision matmuls, on the same bf16 inputs."""
+  with common.highest_precision():
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), is_causal=True,
+        implementation="xla"))(q, k, v)
 
 
 def sweep(n: int, ceiling_tflops: float | None, budget, grid: dict) -> list[dict]:
@@ -202,11 +196,16 @@ def sweep(n: int, ceiling_tflops: float | None, budget, grid: dict) -> list[dict
       row["error"] = "skipped: time budget"
       continue
     cases[row["config"]] = (jaxflash_fn(config), (q, k, v, mask))
-  # One profiler session for the whole sweep, in groups so a crash loses little.
+  # One profiler session per group of configs: a crash or the time budget loses little.
   flops = causal_flops(1, n)
   names = list(cases)
   for start in range(0, len(names), 12):
     group = {name: cases[name] for name in names[start:start + 12]}
+    if budget.exhausted():
+      for row in rows:
+        if row["config"] in group:
+          row["error"] = "skipped: time budget"
+      continue
     log(f"  sweep configs {start + 1}-{start + len(group)} of {len(names)}")
     timings = common.device_times_us(group, log=log)
     for row in rows:
@@ -223,24 +222,11 @@ def sweep(n: int, ceiling_tflops: float | None, budget, grid: dict) -> list[dict
 
 # ----------------------------------------------------------------------------- script
 
-class Budget:
-  """Cells past the time budget are skipped (and say so), so results are always written."""
-
-  def __init__(self, seconds: float):
-    self.start, self.seconds = time.perf_counter(), seconds
-
-  def elapsed(self) -> float:
-    return time.perf_counter() - self.start
-
-  def exhausted(self) -> bool:
-    return self.elapsed() > self.seconds
-
-
 def main_columns():
   cols = [("batch", "B"), ("n", "n")]
-  cols += [(f"{impl}_tflops", LABELS[impl]) for impl in IMPLS]
+  cols += [(lambda r, i=impl: common.value_with_pct(r, f"{i}_tflops", f"{i}_pct"), LABELS[impl])
+           for impl in IMPLS]
   cols += [("pallas_mha_kernel_tflops", "Pallas mha kernel only"),
-           ("jaxflash_pct", "jaxflash % of matmul"),
            ("jf_over_cudnn", "jaxflash / cuDNN", "{:.2f}"), ("jf_over_mha", "jaxflash / Pallas mha", "{:.2f}")]
   return cols
 
@@ -252,14 +238,14 @@ def parse_args(argv=None):
   p.add_argument("--no-sweep", dest="sweep", action="store_false")
   p.add_argument("--smoke", action="store_true", help="tiny CPU run end to end (interpret mode)")
   p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
-  p.add_argument("--budget-s", type=float, default=380.0,
+  p.add_argument("--budget-s", type=float, default=360.0,
                  help="skip the cells left after this many seconds (results are still written)")
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  budget = Budget(args.budget_s)
+  budget = common.Budget(args.budget_s)
   if args.smoke:
     sizes, acc_n, sweep_n = [(1, 128), (1, 256), (2, 128)], 128, 256
     grid = {"block_q": [64], "block_k": [32, 64], "num_warps": [4], "num_stages": [2]}
@@ -286,8 +272,8 @@ def main(argv=None):
               if common.has_gpu() else common.WALL_NO_GPU),
       smoke=args.smoke, quick=args.quick)
   meta["notes_header"] = [
-      "TFLOP/s by the FlashAttention-2 count (4·n²·d per head, halved for causal); % of the bf16 "
-      "matmul ceiling above.",
+      "TFLOP/s by the FlashAttention-2 count (4·n²·d per head, halved for causal), with the % of "
+      "the bf16 matmul ceiling above.",
       "JAX Pallas mha has no GQA: its time includes repeating K/V to 12 heads (the kernel alone: "
       "'kernel only'); default block sizes 128 x 128.",
       "naive = Hugging Face eager attention (repeat K/V, bf16 scores + mask, fp32 softmax).",
@@ -299,8 +285,16 @@ def main(argv=None):
       notes.append(f"B={batch} n={n}: skipped (time budget)")
       continue
     log(f"[{budget.elapsed():6.1f}s] B={batch} n={n}")
-    row = bench_row(batch, n, ceiling, budget)
+    row, err = common.try_call(bench_row, batch, n, ceiling, budget, check=(batch, n) == (1, acc_n))
+    if err:
+      notes.append(f"B={batch} n={n}: row failed: {err[:300]}")
+      log(f"  row failed: {err}")
+      continue
     rows.append(row)
+    if "max_abs_error" in row:
+      meta["accuracy"] = {"n": acc_n, "reference": "float32 XLA attention (precision highest), same bf16 inputs",
+                          "max_abs_error": row["max_abs_error"]}
+      log(f"  max abs error vs float32: {row['max_abs_error']}")
     for impl, err in row["errors"].items():
       notes.append(f"B={batch} n={n} {LABELS[impl]}: {err[:300]}")
     log("  " + ", ".join(f"{impl} {common.format_value(row.get(f'{impl}_tflops'))}" for impl in IMPLS))
@@ -308,16 +302,11 @@ def main(argv=None):
 
   memory_rows = [{"batch": r["batch"], "n": r["n"],
                   **{impl: r.get(f"{impl}_temp_mib") for impl in IMPLS}} for r in rows]
+  sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
   common.write_results(
-      "prefill_memory", memory_rows, {**meta, "title": "Causal prefill: peak XLA scratch memory (MiB)"},
+      "prefill_memory", memory_rows, {**sub_meta, "title": "Causal prefill: peak XLA scratch memory (MiB)"},
       [("batch", "B"), ("n", "n"), *[(impl, LABELS[impl]) for impl in IMPLS]], out_dir=out_dir,
       notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
-
-  log(f"[{budget.elapsed():6.1f}s] accuracy at n={acc_n}")
-  acc, err = common.try_call(accuracy, acc_n)
-  meta["accuracy"] = {"n": acc_n, "reference": "float32 XLA (precision highest), same bf16 inputs",
-                      "max_abs_error": acc if acc else err}
-  log(f"  max abs error vs float32: {acc if acc else err}")
 
   sweep_rows = []
   if args.sweep:
@@ -327,17 +316,17 @@ def main(argv=None):
       sweep_rows = [{"config": "all", "error": err}]
     ranked = sorted(sweep_rows, key=lambda r: -(r.get("tflops") or -1))
     common.write_results(
-        "prefill_sweep", ranked, {**meta, "title": f"Prefill tuning sweep, B=1, n={sweep_n}"},
+        "prefill_sweep", ranked, {**sub_meta, "title": f"Prefill tuning sweep, B=1, n={sweep_n}"},
         [("config", "config"), ("tflops", "TFLOP/s"), ("pct", "% of matmul"), ("smem_kib", "smem KiB (model)"),
          ("default", "default"), ("error", "error", lambda e: e[:80])],
-        plot={"kind": "bar", "x": "config", "y": "tflops", "title": f"jaxflash prefill configs, n={sweep_n}",
+        plot={"kind": "bar", "x": "config", "y": "tflops", "figsize": (11, 4.5), "title": f"jaxflash prefill configs, n={sweep_n}",
               "ylabel": "TFLOP/s", "hline": (ceiling, "bf16 matmul ceiling")},
         out_dir=out_dir)
 
-  acc_line = meta["accuracy"]["max_abs_error"]
-  notes.append(f"max abs error vs float32 at n={acc_n}: " + (
-      ", ".join(f"{LABELS[i]} {common.format_value(v) if isinstance(v, float) else 'error'}"
-                for i, v in acc_line.items()) if isinstance(acc_line, dict) else str(acc_line)))
+  acc = meta.get("accuracy", {}).get("max_abs_error", {})
+  if acc:
+    notes.append(f"max abs error vs float32 attention at B=1 n={acc_n}: " + ", ".join(
+        f"{LABELS[i]} {common.format_value(v) if isinstance(v, float) else v}" for i, v in acc.items()))
   plot = {"x": "n", "y": [f"{impl}_tflops" for impl in IMPLS], "logx": True,
           "labels": {f"{impl}_tflops": LABELS[impl] for impl in IMPLS},
           "where": lambda r: r["batch"] == 1, "xlabel": "sequence length n (batch 1)",

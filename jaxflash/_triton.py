@@ -11,6 +11,7 @@ import contextlib
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 _TRITON_WARNING = r"(?s).*[Tt]riton.*"
 
@@ -34,6 +35,19 @@ store = plgpu.store
 CompilerParams = plgpu.CompilerParams
 
 
+def exp2(x, *, approx: bool):
+  """2**x for float32 `x`. With `approx` (compiled kernels only: interpret mode has no PTX)
+  it is one `ex2.approx.ftz.f32`, the GPU's special-function instruction, as Triton's own
+  `tl.exp2` emits; Pallas' `jnp.exp2` calls libdevice's `__nv_exp2f`, which adds denormal
+  handling around it. exp2(-inf) is still exactly 0."""
+  if not approx:
+    return jnp.exp2(x)
+  [y] = plgpu.elementwise_inline_asm(
+      "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return y
+
+
 def use_interpret(interpret: bool | None = None) -> bool:
   """`interpret` if given, else True exactly when JAX's default backend is not a GPU."""
   if interpret is not None:
@@ -41,4 +55,4 @@ def use_interpret(interpret: bool | None = None) -> bool:
   return jax.default_backend() != "gpu"
 
 
-__all__ = ["pl", "plgpu", "dot", "load", "store", "CompilerParams", "quiet", "use_interpret"]
+__all__ = ["pl", "plgpu", "dot", "load", "store", "exp2", "CompilerParams", "quiet", "use_interpret"]

@@ -34,6 +34,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
   implementation: None (the Pallas kernels: compiled on a GPU, interpreted elsewhere),
   "pallas" (the same), or "xla" (plain-JAX reference path).
+
+  Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
+  and KV heads K over the same mesh axes); each device runs the kernel on its shard and
+  the results keep the split, with no collective. See `jaxflash.sharding`.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")

@@ -331,9 +331,9 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, sca
 
   out, lse = launch_split_kv(
       lengths, None, query.reshape(batch, num_heads, head_dim), k_cache, v_cache,
-      tile_index=_contiguous_tile(config.block_k, configs.padded_head_dim(head_dim)), out_dtype=query.dtype, kv_heads=kv_heads,
-      capacity=capacity, scale=scale, num_splits=num_splits, config=config,
-      interpret=use_interpret(interpret), name="jaxflash_decode")
+      tile_index=_contiguous_tile(config.block_k, configs.padded_head_dim(head_dim)),
+      out_dtype=query.dtype, kv_heads=kv_heads, capacity=capacity, scale=scale,
+      num_splits=num_splits, config=config, interpret=use_interpret(interpret), name="jaxflash_decode")
   out = out.reshape(batch, 1, num_heads, head_dim)
   lse = lse.reshape(batch, 1, num_heads)
   return (out, lse) if return_residual else out

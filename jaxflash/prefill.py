@@ -25,13 +25,14 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxflash import _checks, configs
-from jaxflash._triton import CompilerParams, dot, load, pl, quiet, store, use_interpret
+from jaxflash._triton import CompilerParams, dot, exp2, load, pl, quiet, store, use_interpret
 from jaxflash.configs import PrefillConfig
 from jaxflash.reference import attention_reference
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 MIN_BLOCK = 16  # tl.dot needs tiles of at least 16 x 16
+APPROX_EXP2 = True  # compiled kernels use ex2.approx (see jaxflash._triton.exp2)
 
 
 def _broadcast_mask(rows_mask, cols_mask, shape):
@@ -66,6 +67,7 @@ def _prefill_kernel(
     seq_q: int,
     seq_kv: int,
     num_q_blocks: int,
+    approx_exp2: bool,
 ):
   head_dim_padded = q_ref.shape[-1]
   # The grid walks query blocks backwards: with a causal mask the last block has the
@@ -134,8 +136,8 @@ def _prefill_kernel(
       m_new_safe = jnp.where(m_new == -jnp.inf, 0., m_new)
     else:
       m_new_safe = m_new  # every score here is finite, so the max is too
-    alpha = jnp.exp2(m_i - m_new_safe)  # rescales the old state to the new max
-    p = jnp.exp2(s - m_new_safe[:, None])  # [block_q, block_k]
+    alpha = exp2(m_i - m_new_safe, approx=approx_exp2)  # rescales the old state to the new max
+    p = exp2(s - m_new_safe[:, None], approx=approx_exp2)  # [block_q, block_k]
     l_i = l_i * alpha + jnp.sum(p, axis=1)
     v = _load_masked(v_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
     v = v.astype(compute_dtype)
@@ -146,7 +148,9 @@ def _prefill_kernel(
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
   carry = lax.fori_loop(0, num_unmasked, functools.partial(attend, masked=False), carry)
-  carry = lax.fori_loop(num_unmasked, num_blocks, functools.partial(attend, masked=True), carry)
+  if is_causal or kv_lengths_ref is not None or seq_kv % block_k:
+    # Otherwise every key block is full and unmasked: the masked loop is not even compiled.
+    carry = lax.fori_loop(num_unmasked, num_blocks, functools.partial(attend, masked=True), carry)
   acc, m_i, l_i = carry
 
   # FlashAttention-2 divides once, here. Rows that saw no key (zero keys, or padding
@@ -176,7 +180,7 @@ def _check_config(config) -> None:
 
 def _block_size(limit: int, length: int) -> int:
   """`limit`, or less for short sequences: a power of two >= 16 covering `length`."""
-  return min(limit, max(MIN_BLOCK, pl.next_power_of_2(max(length, 1))))
+  return min(limit, max(MIN_BLOCK, 1 << (max(length, 1) - 1).bit_length()))
 
 
 @functools.partial(
@@ -222,11 +226,14 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   block_k = _block_size(config.block_k, seq_kv)
   head_dim_padded = configs.padded_head_dim(head_dim)
   num_q_blocks = pl.cdiv(seq_q, block_q)
+  # A query tile shrunk for a short sequence has too few rows to share among 8 warps.
+  num_warps = config.num_warps if block_q == config.block_q else min(config.num_warps, 4)
   group = num_heads // num_kv_heads
 
   kernel = functools.partial(
       _prefill_kernel, qk_scale=scale * LOG2_E, is_causal=is_causal, block_q=block_q,
-      block_k=block_k, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv, num_q_blocks=num_q_blocks)
+      block_k=block_k, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv, num_q_blocks=num_q_blocks,
+      approx_exp2=APPROX_EXP2 and not use_interpret(interpret))
 
   def kernel_with_optional_refs(*refs):
     refs = list(refs)
@@ -271,7 +278,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
         cost_estimate=cost,
         interpret=use_interpret(interpret),
         name="jaxflash_prefill",

@@ -17,31 +17,34 @@ What stays split:
   their batch dimension over the same mesh axes. A page pool has no batch dimension (the
   block table holds global page ids), so it is replicated over the batch axes and split
   over the head axes only.
-- Heads (tensor parallel): the query's head split leads (the key's is taken when the query
-  has none). Over d devices each keeps whole GQA groups when K % d == 0: N/d query heads
-  with their K/d KV heads. When d is a multiple of K instead (2 KV heads on 4 devices),
-  key/value must be replicated over the head axes, which costs no collective when they
-  arrive so (a model that replicates its KV projections); each device slices the one KV
-  head its N/d query heads read. That slice is a local copy of 1/K of key/value per call:
-  for a decode cache, rather repeat the KV heads up to d in the model (head j a copy of
-  head j // (d / K)), so the cache splits evenly. When neither divides the other, or d
-  does not divide N, heads are computed replicated and a warning says so.
+- Heads (tensor parallel): the query's head split leads, as in a model whose q, k and v
+  projections are all split by heads. (A key split alone is followed inside the call, but
+  Shardy links only query heads to result heads, so the results come back gathered.) Over
+  d devices each keeps whole GQA groups when K % d == 0: N/d query heads with their K/d
+  KV heads. When d is a multiple of K instead (2 KV heads on 4 devices), key/value must
+  be replicated over the head axes, which costs no collective when they arrive so (a
+  model that replicates its KV projections), and each device slices the one KV head its
+  N/d query heads read. That slice is a local copy of 1/K of key/value per call: for a
+  decode cache, rather repeat the KV heads up to d in the model (head j a copy of head
+  j // (d / K)) so the cache splits evenly. When neither divides the other, or d does not
+  divide N, heads are computed replicated and a warning says so.
 - Every other dimension (query and key tokens, head dim, pages, page size, table width)
   is computed replicated: an operand split over one is gathered by XLA first.
 
-Not supported: operands whose sharding no PartitionSpec of the mesh can express (a mesh
-axis split over two dimensions, as a reshape of a [.., K * H] projection split over more
-devices than K gives): custom_partitioning fails to read them. Replicate such a
-projection, or repeat its KV heads up to the device count.
+An operand split in a way no such PartitionSpec expresses (a mesh axis split across two
+dimensions, as reshaping a [.., K * H] projection split over more devices than K gives)
+is resharded by XLA to what the plan needs: correct, at the cost of a collective.
 
-On one device nothing here runs: the kernel is called directly, so the single-device
-program is exactly the kernel's.
+Under `jax.vmap` the call is not partitioned (custom_partitioning has no batching rule;
+the kernels' own runs instead). On one device nothing here runs: the kernel is called
+directly, so the single-device program is exactly the kernel's.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import warnings
 
@@ -80,7 +83,7 @@ def decode(kernel, query, key, value, key_value_seq_lengths=None):
   """kernel(query, key, value, kv_lengths) -> (out, lse), sharding-aware (`prefill` without
   query lengths). query [B, 1, N, H], caches [B, S, K, H], lengths [B] or None."""
   return prefill(lambda q, k, v, _, kv_lengths: kernel(q, k, v, kv_lengths),
-               query, key, value, None, key_value_seq_lengths)
+                 query, key, value, None, key_value_seq_lengths)
 
 
 def paged(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_table):
@@ -92,6 +95,7 @@ def paged(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_ta
 
 
 def _call(kernel, operand_dims, operands):
+  """kernel(*operands) as one custom-partitioned call (operands named by operand_dims)."""
   if jax.device_count() == 1:
     # Nothing to partition: the single-device program stays exactly the kernel's.
     return kernel(*operands)
@@ -108,13 +112,27 @@ def _call(kernel, operand_dims, operands):
 
   heads = (operands[0].shape[2], operands[1].shape[2])  # N, K
   call = custom_partitioning(run)
+  # decode_shardings=False: the callbacks get the operands' shardings as XLA has them and
+  # read them with `_as_named`, which returns None (rather than failing, as the built-in
+  # decoding does) for one no PartitionSpec expresses.
   callbacks = dict(partition=functools.partial(_partition, run, dims, heads),
-                   sharding_rule=_sharding_rule(dims))
+                   sharding_rule=_sharding_rule(dims), decode_shardings=False)
   if "infer_sharding_from_operands" in inspect.signature(call.def_partition).parameters:
     # Only read by the GSPMD partitioner (jax_use_shardy_partitioner=False).
     callbacks["infer_sharding_from_operands"] = functools.partial(_infer, dims, heads)
   call.def_partition(**callbacks)
-  return call(*(operands[i] for i in present))
+
+  # custom_partitioning has no batching rule: under jax.vmap, run the kernels' own (the
+  # vmapped call is then not partitioned: XLA gathers its operands).
+  batchable = jax.custom_batching.custom_vmap(lambda *arrays: call(*arrays))
+
+  @batchable.def_vmap
+  def _(axis_size, in_batched, *arrays):
+    del axis_size
+    in_axes = tuple(0 if batched else None for batched in in_batched)
+    return jax.vmap(run, in_axes=in_axes)(*arrays), (True, True)
+
+  return batchable(*(operands[i] for i in present))
 
 
 def _sharding_rule(dims) -> SdyShardingRule:
@@ -153,9 +171,39 @@ class _Plan:
                  for names in dims)
 
 
+def _as_named(arg, mesh, names):
+  """arg.sharding as a NamedSharding of `mesh` that splits only b, n and k; None if none is.
+
+  XLA hands over shardings, not PartitionSpecs. The shard shape tells how many ways each
+  dimension is split; this tries the specs over mesh axes that match those counts.
+  """
+  sharding = arg.sharding
+  if isinstance(sharding, NamedSharding):
+    return sharding
+  ways = [whole // part for whole, part in zip(arg.shape, sharding.shard_shape(arg.shape))]
+  splittable = [i for i, name in enumerate(names) if name in ("b", "n", "k")]
+  if any(w > 1 for i, w in enumerate(ways) if i not in splittable):
+    return None
+  axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+  options = [()] + [p for r in range(1, len(axes) + 1) for p in itertools.permutations(axes, r)]
+  per_dim = [[o for o in options if _axes_size(mesh, o) == ways[i]] for i in splittable]
+  for choice in itertools.product(*per_dim):
+    used = [a for option in choice for a in option]
+    if len(used) != len(set(used)):
+      continue
+    spec = [None] * len(names)
+    for i, option in zip(splittable, choice):
+      spec[i] = option or None
+    candidate = NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+    if sharding.is_equivalent_to(candidate, len(names)):
+      return candidate
+  return None
+
+
 def _spec_axes(sharding, ndim: int):
-  """Mesh axes of each dimension, as tuples (empty: not split)."""
-  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  """Mesh axes of each dimension, as tuples (empty: not split); all empty for None."""
+  spec = () if sharding is None else tuple(sharding.spec)
+  spec += (None,) * (ndim - len(spec))
   return tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
 
 
@@ -168,7 +216,8 @@ def _plan(mesh, dims, arg_shapes, heads: tuple[int, int]) -> _Plan:
   num_heads, num_kv_heads = heads
   found = {}
   for names, arg in zip(dims, arg_shapes):  # the query first, then key/value, then the rest
-    for name, axes in zip(names, _spec_axes(arg.sharding, len(names))):
+    sharding = _as_named(arg, mesh, names)
+    for name, axes in zip(names, _spec_axes(sharding, len(names))):
       group = "heads" if name in ("n", "k") else name
       if axes and group not in found and group in ("b", "heads"):
         found[group] = axes

@@ -57,13 +57,14 @@ CASES = [
     (1, 1, 1, 1, 1, 64, F32, True, SMALL),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
     (2, 100, 129, 5, 1, 80, F16, True, SMALL),  # T < S: bottom-right diagonal
-    (1, 129, 100, 6, 1, 96, F32, True, SMALL),  # T > S: the first 29 rows see no key
+    (1, 129, 100, 6, 1, 96, F32, True, None),  # T > S: the first 29 rows see no key
     (1, 33, 70, 7, 1, 128, BF16, False, SMALL),
-    (1, 40, 40, 8, 1, 256, F16, False, SMALL),
+    (1, 100, 100, 8, 1, 256, F16, False, None),
     (1, 100, 1, 4, 4, 128, F32, True, SMALL),  # one key: all but the last row are empty
     (1, 130, 130, 2, 2, 64, F16, False, None),  # default (H200) tiles, ragged edge
     (2, 1, 129, 4, 2, 96, BF16, True, None),  # one query row
-    (1, 64, 128, 6, 3, 128, BF16, True, None),  # exact multiples: no masked edge at all
+    (1, 64, 128, 6, 3, 128, BF16, True, None),  # exact multiples: only the diagonal is masked
+    (2, 48, 64, 2, 1, 64, F32, False, SMALL),  # exact multiples, not causal: no masked loop at all
 ]
 
 

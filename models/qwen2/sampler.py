@@ -1,7 +1,7 @@
 """Text generation: a jitted prefill, ONE jitted decode step, and a host loop around them.
 
 Shapes stay few so compilations stay few: prompts are right-padded to a power-of-two
-bucket (>= 16 tokens), the cache capacity is rounded up to a multiple of 64 tokens, and
+bucket (>= 16 tokens), the cache holds that bucket plus the new tokens rounded up to 64, and
 the decode step is a pure function of `nnx.split(model)`'s state with the cache donated
 (updated in place). The paged cache's block table is int32 *data*, so growing a sequence
 by a page never recompiles.
@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,16 +56,12 @@ def resolve_attention_impl(model: Qwen2ForCausalLM, impl):
   return None if impl in ("jaxflash", "pallas") else impl
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "attention_impl"),
-                   donate_argnames=("cache",))
-def prefill_step(graphdef, state, tokens, lengths, cache, key, eos_ids, *,
-                 sampling: SamplingParams, attention_impl):
+def _prefill(model, tokens, lengths, cache, key, eos_ids, sampling: SamplingParams, attention_impl):
   """Runs the prompts and samples each one's first new token.
 
   tokens [B, T] int32 right-padded prompts; lengths [B] int32 their lengths; cache empty.
-  Returns (first tokens [B] int32, done [B] bool, cache holding the prompts).
+  Returns (first tokens [B] int32, done [B] bool, cache holding the prompts, next key).
   """
-  model = nnx.merge(graphdef, state)
   with jax.named_scope("prefill"):
     hidden, cache = model.hidden_states(tokens, None, cache, lengths=lengths,
                                         attention_impl=attention_impl)
@@ -74,29 +69,61 @@ def prefill_step(graphdef, state, tokens, lengths, cache, key, eos_ids, *,
   last = hidden[jnp.arange(batch), lengths - 1]  # [B, hidden]: the LM head sees one row each
   logits = model.logits(last)  # [B, vocab]
   with jax.named_scope("sample"):
-    next_tokens = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
-  return next_tokens, jnp.isin(next_tokens, eos_ids), cache
+    key, draw = jax.random.split(key)
+    next_tokens = sample_logits(logits, draw, sampling)
+  return next_tokens, jnp.isin(next_tokens, eos_ids), cache, key
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "attention_impl"),
-                   donate_argnames=("cache",))
-def decode_step(graphdef, state, tokens, done, cache, key, step, eos_ids, *,
-                sampling: SamplingParams, attention_impl):
+def _decode(model, tokens, done, cache, key, eos_ids, sampling: SamplingParams, attention_impl):
   """One token per sequence: tokens [B] int32 (the last sampled), done [B] bool.
 
   Writes the tokens' keys/values (not for done rows), samples the next tokens, and
-  returns (next tokens [B] int32, done [B] bool, cache). `step` (int32) seeds the key.
+  returns (next tokens [B] int32, done [B] bool, cache, next key). The PRNG key rides
+  along on the device, so a step needs no new data from the host.
   """
-  model = nnx.merge(graphdef, state)
   active = (~done).astype(jnp.int32)  # finished rows write nothing
   with jax.named_scope("decode"):
     hidden, cache = model.hidden_states(tokens[:, None], None, cache, lengths=active,
                                         attention_impl=attention_impl)
   logits = model.logits(hidden[:, 0])  # [B, vocab]
   with jax.named_scope("sample"):
-    next_tokens = sample_logits(logits, jax.random.fold_in(key, step), sampling)
+    key, draw = jax.random.split(key)
+    next_tokens = sample_logits(logits, draw, sampling)
   next_tokens = jnp.where(done, 0, next_tokens)
-  return next_tokens, done | jnp.isin(next_tokens, eos_ids), cache
+  return next_tokens, done | jnp.isin(next_tokens, eos_ids), cache, key
+
+
+class StepFunctions(NamedTuple):
+  """The jitted prefill and decode step of one model structure. Both take the weights as
+  a flat list of arrays first, donate the cache, and have static keyword arguments
+  `sampling` and `attention_impl`."""
+
+  prefill: Callable
+  decode: Callable
+
+
+@functools.lru_cache(maxsize=32)
+def step_functions(graphdef, treedef) -> StepFunctions:
+  """Jitted steps for models of this structure (`nnx.split`'s graphdef, and the treedef of
+  its state). The structure is bound here, once, not passed per call: hashing a 28-layer
+  graphdef as a static argument, and flattening an nnx.State, cost milliseconds of host
+  time per call, more than a whole decode step takes on the GPU; a list of arrays is cheap."""
+
+  def merge(params):
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+
+  jit = functools.partial(jax.jit, static_argnames=("sampling", "attention_impl"),
+                          donate_argnames=("cache",))
+
+  @jit
+  def prefill(params, tokens, lengths, cache, key, eos_ids, *, sampling, attention_impl):
+    return _prefill(merge(params), tokens, lengths, cache, key, eos_ids, sampling, attention_impl)
+
+  @jit
+  def decode(params, tokens, done, cache, key, eos_ids, *, sampling, attention_impl):
+    return _decode(merge(params), tokens, done, cache, key, eos_ids, sampling, attention_impl)
+
+  return StepFunctions(prefill, decode)
 
 
 @dataclasses.dataclass
@@ -131,7 +158,9 @@ class Sampler:
       raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     self.config = model.config
     self.cache_dtype = model.dtype
-    self.graphdef, self.state = nnx.split(model)
+    graphdef, state = nnx.split(model)
+    self.params, treedef = jax.tree.flatten(state)  # weights as a flat list of arrays
+    self.steps = step_functions(graphdef, treedef)
     self.cache_kind = cache
     self.page_size = page_size
     self.num_pages = num_pages
@@ -139,9 +168,20 @@ class Sampler:
     self.allocator: PageAllocator | None = None  # the last call's (for inspection)
 
   def capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
-    """Cache tokens per sequence: the longest prompt plus the new tokens, rounded up."""
+    """Cache tokens per sequence: the longest prompt's bucket plus the new tokens, rounded
+    up (from the bucket, not the length, so prompts of one bucket share one compilation)."""
     multiple = max(CAPACITY_MULTIPLE, self.page_size if self.cache_kind == "paged" else 1)
-    return _round_up(longest_prompt + max_new_tokens, multiple)
+    return _round_up(prompt_bucket(longest_prompt) + max_new_tokens, multiple)
+
+  def prefill(self, tokens, lengths, cache, key, eos_ids, sampling: SamplingParams):
+    """The jitted prefill (see `_prefill`) with this sampler's weights and attention."""
+    return self.steps.prefill(self.params, tokens, lengths, cache, key, eos_ids,
+                              sampling=sampling, attention_impl=self.attention_impl)
+
+  def decode(self, tokens, done, cache, key, eos_ids, sampling: SamplingParams):
+    """One jitted decode step (see `_decode`); the cache is donated."""
+    return self.steps.decode(self.params, tokens, done, cache, key, eos_ids,
+                             sampling=sampling, attention_impl=self.attention_impl)
 
   def make_cache(self, batch: int, capacity: int):
     if self.cache_kind == "paged":
@@ -191,7 +231,6 @@ class Sampler:
       allocator.changed = False
     self.allocator = allocator
     key = jax.random.key(seed)
-    statics = dict(sampling=sampling, attention_impl=self.attention_impl)
 
     outputs: list[list[int]] = [[] for _ in prompts]
     finished = np.zeros((batch,), bool)
@@ -216,8 +255,8 @@ class Sampler:
           finish(row)
 
     start = time.perf_counter()
-    next_tokens, done, cache = prefill_step(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(lengths),
-                                            cache, key, eos_ids, **statics)
+    next_tokens, done, cache, key = self.prefill(jnp.asarray(tokens), jnp.asarray(lengths), cache,
+                                                 key, eos_ids, sampling)
     consume(next_tokens)
     prefill_seconds = time.perf_counter() - start
 
@@ -225,7 +264,7 @@ class Sampler:
     pending = None  # the dispatched step whose tokens are not read yet
     steps = 0
     decode_start = time.perf_counter()
-    for step in range(1, max_new_tokens):
+    for _ in range(1, max_new_tokens):
       if finished.all():
         break
       if allocator is not None:
@@ -234,8 +273,7 @@ class Sampler:
         if allocator.changed:
           cache = dataclasses.replace(cache, block_table=jnp.asarray(allocator.block_table))
           allocator.changed = False
-      next_tokens, done, cache = decode_step(self.graphdef, self.state, next_tokens, done, cache, key,
-                                             jnp.int32(step), eos_ids, **statics)
+      next_tokens, done, cache, key = self.decode(next_tokens, done, cache, key, eos_ids, sampling)
       positions += 1
       steps += 1
       if pending is not None:

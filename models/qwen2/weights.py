@@ -190,7 +190,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
   safetensors). `param_dtype` defaults to the checkpoint's dtype, `dtype` (computation)
   to `param_dtype`; both accept names ("bfloat16", "float32") or dtypes."""
   config = Qwen2Config.from_pretrained(path, attention_impl=attention_impl, **config_overrides)
-  param_dtype = resolve_dtype(param_dtype, dtype if dtype is not None else (config.torch_dtype or "float32"))
+  checkpoint_dtype = config.torch_dtype or "float32"
+  param_dtype = resolve_dtype(param_dtype, dtype if dtype is not None else checkpoint_dtype)
   dtype = resolve_dtype(dtype, param_dtype)
   abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype,
                                                      param_dtype=param_dtype))

@@ -1,0 +1,365 @@
+"""End-to-end generation: Qwen2.5-1.5B shapes with random bf16 weights, through
+models.qwen2's jitted prefill and decode step, with the attention of jaxflash (contiguous
+and paged caches), jaxflash's plain-JAX path ("xla") and jax.nn's cuDNN; plus Hugging Face
+transformers' generate (torch, sdpa, bf16) on the same shapes when torch sees a GPU.
+
+Rows: batch 1 and 8 x prompts of 1K and 8K tokens, 128 new tokens. Per row: prefill ms
+(median of a few runs; the first run compiles), decode ms/step (wall clock of one step
+with block_until_ready, median over the steps), tokens/s = batch / that, the pipelined
+ms/step (steps dispatched back to back, as `generate` runs them), and the bytes floor of
+a step: (weights + K/V read at the mean context) / the HBM read ceiling measured in the
+same run. Wall clock on purpose: a user waits for the launch gaps too.
+
+  python bench/generate.py [--quick] [--budget-s S] [--out DIR]   # GPU: ~5 min on an H200
+  python bench/generate.py --smoke                                 # tiny config on the CPU
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.common import log  # noqa: E402
+
+NEW_TOKENS = 128
+PREFILL_RUNS = 3  # the first compiles; the median of the other two is reported
+HF_BUDGET_S = 100.0  # the Hugging Face rows stop starting new shapes after this
+SYNCED_FRACTION = 0.5  # steps timed one by one; the rest run back to back (pipelined)
+# (label, attention_impl for models.qwen2, cache kind)
+IMPLS = (("jaxflash paged", "jaxflash", "paged"), ("jaxflash", "jaxflash", "contiguous"),
+         ("cudnn", "cudnn", "contiguous"), ("xla", "xla", "contiguous"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  batch: int
+  prompt: int
+  new_tokens: int = NEW_TOKENS
+
+
+def model_bytes(model) -> int:
+  from flax import nnx
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def kv_bytes_per_step(config, shape: Shape, itemsize: int) -> float:
+  """K and V read by one decode step at the mean context of the run, all layers."""
+  context = shape.prompt + shape.new_tokens / 2
+  return (config.num_hidden_layers * shape.batch * context * config.num_key_value_heads *
+          config.head_dim * 2 * itemsize)
+
+
+def random_prompts(shape: Shape, vocab: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, (shape.batch, shape.prompt), dtype=np.int32)
+
+
+# ----------------------------------------------------------------------------- jaxflash / XLA / cuDNN
+
+def bench_jax(model, shape: Shape, impl: str, cache_kind: str, page_size: int = 16) -> dict:
+  """Prefill and decode through models.qwen2's jitted steps for one (shape, attention, cache)."""
+  from models.qwen2 import PageAllocator, Sampler, SamplingParams
+
+  sampler = Sampler(model, cache=cache_kind, page_size=page_size, attention_impl=impl)
+  prompts = random_prompts(shape, model.config.vocab_size)
+  tokens = jnp.asarray(prompts)
+  lengths = jnp.full((shape.batch,), shape.prompt, jnp.int32)
+  capacity = sampler.capacity(shape.prompt, shape.new_tokens)
+  greedy = SamplingParams()
+  eos = jnp.asarray([-1], jnp.int32)
+
+  def fresh_cache():
+    cache = sampler.make_cache(shape.batch, capacity)
+    if cache_kind == "paged":
+      allocator = PageAllocator(cache.num_pages, page_size, shape.batch, cache.block_table.shape[1])
+      for row in range(shape.batch):
+        allocator.reserve(row, shape.prompt + shape.new_tokens)
+      cache = dataclasses.replace(cache, block_table=jnp.asarray(allocator.block_table))
+    return jax.block_until_ready(cache)
+
+  prefill_ms, compile_s = [], 0.0
+  for run in range(PREFILL_RUNS):
+    cache = fresh_cache()
+    start = time.perf_counter()
+    first, done, cache, key = jax.block_until_ready(
+        sampler.prefill(tokens, lengths, cache, jax.random.key(0), eos, greedy))
+    elapsed = time.perf_counter() - start
+    if run == 0:
+      compile_s = elapsed
+    else:
+      prefill_ms.append(elapsed * 1e3)
+    if run < PREFILL_RUNS - 1:
+      del cache
+
+  # Decode: the first step compiles; then steps timed one by one (synced), then the rest
+  # dispatched back to back and timed together.
+  steps = shape.new_tokens - 1
+  synced = max(1, int(steps * SYNCED_FRACTION))
+  token = first
+  start = time.perf_counter()
+  token, done, cache, key = jax.block_until_ready(
+      sampler.decode(token, done, cache, key, eos, greedy))
+  compile_s += time.perf_counter() - start
+  step_ms = []
+  for _ in range(2, synced + 1):
+    start = time.perf_counter()
+    token, done, cache, key = jax.block_until_ready(
+        sampler.decode(token, done, cache, key, eos, greedy))
+    step_ms.append((time.perf_counter() - start) * 1e3)
+  start = time.perf_counter()
+  rest = range(synced + 1, steps + 1)
+  for _ in rest:
+    token, done, cache, key = sampler.decode(token, done, cache, key, eos, greedy)
+  jax.block_until_ready(token)
+  pipelined_ms = (time.perf_counter() - start) * 1e3 / max(len(rest), 1)
+  lengths_now = np.asarray(cache.lengths)
+  assert (lengths_now == shape.prompt + steps).all(), lengths_now
+  del cache
+  median_step = statistics.median(step_ms) if step_ms else float("nan")
+  return dict(prefill_ms=statistics.median(prefill_ms), decode_ms_step=median_step,
+              pipelined_ms_step=pipelined_ms if rest else None,
+              tokens_per_s=shape.batch / median_step * 1e3, compile_s=compile_s)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+def torch_device(smoke: bool):
+  """'cuda' when torch sees a GPU ('cpu' in a smoke run), None when torch is missing."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  return "cuda" if torch.cuda.is_available() else ("cpu" if smoke else None)
+
+
+def hf_model(config, device: str, dtype_name: str):
+  import torch
+  from transformers import Qwen2Config, Qwen2ForCausalLM
+  hf_config = Qwen2Config(
+      vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+      num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+      head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+      max_position_embeddings=config.max_position_embeddings,
+      tie_word_embeddings=config.tie_word_embeddings, attn_implementation="sdpa")
+  dtype = getattr(torch, dtype_name)
+  with torch.device(device):
+    model = Qwen2ForCausalLM(hf_config).to(dtype).eval()
+  return model
+
+
+def bench_hf(model, shape: Shape, device: str) -> dict:
+  """transformers' generate: prefill = one forward over the prompts (last logits only),
+  decode ms/step = (generate time - prefill) / (new tokens - 1)."""
+  import torch
+
+  def sync():
+    if device == "cuda":
+      torch.cuda.synchronize()
+
+  ids = torch.tensor(random_prompts(shape, model.config.vocab_size), device=device)
+  mask = torch.ones_like(ids)
+  options = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+  with torch.inference_mode():
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **options)  # warm-up
+    prefill = []
+    for _ in range(PREFILL_RUNS - 1):
+      sync()
+      start = time.perf_counter()
+      model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+      sync()
+      prefill.append((time.perf_counter() - start) * 1e3)
+    sync()
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=shape.new_tokens, min_new_tokens=shape.new_tokens,
+                         **options)
+    sync()
+    total_ms = (time.perf_counter() - start) * 1e3
+  assert out.shape[1] == shape.prompt + shape.new_tokens
+  prefill_ms = statistics.median(prefill)
+  step = (total_ms - prefill_ms) / (shape.new_tokens - 1)
+  return dict(prefill_ms=prefill_ms, decode_ms_step=step, pipelined_ms_step=step,
+              tokens_per_s=shape.batch / step * 1e3, compile_s=None)
+
+
+# ----------------------------------------------------------------------------- the run
+
+def plan(args):
+  """-> (model config, shapes, dtype name) of this run."""
+  from models import qwen2
+  if args.smoke:
+    return qwen2.Qwen2Config.tiny(), [Shape(1, 32, 8), Shape(2, 64, 8)], "float32"
+  shapes = [Shape(b, p) for p in (1024, 8192) for b in (1, 8)]
+  if args.quick:
+    shapes = [s for s in shapes if s.prompt == 1024]
+  return qwen2.Qwen2Config.qwen2_5_1_5b(), shapes, "bfloat16"
+
+
+def shape_key(shape: Shape) -> str:
+  return f"{shape.batch}x{shape.prompt}+{shape.new_tokens}"
+
+
+def hf_worker(args) -> None:
+  """`--hf-worker FILE`: the Hugging Face rows, written to FILE as JSON (a separate process)."""
+  config, shapes, dtype = plan(args)
+  budget = Budget(args.budget_s)
+  result: dict = {"rows": {}, "note": None}
+  device = torch_device(args.smoke)
+  if device is None:
+    result["note"] = "Hugging Face row skipped: torch with CUDA is not importable"
+  else:
+    log(f"transformers on {device}")
+    model, err = common.try_call(hf_model, config, device, dtype)
+    if model is None:
+      result["note"] = f"Hugging Face model failed: {err}"
+    for shape in shapes if model is not None else []:
+      if budget.exhausted():
+        result["rows"][shape_key(shape)] = {"error": "skipped (time budget)"}
+        continue
+      got, err = common.try_call(bench_hf, model, shape, device)
+      result["rows"][shape_key(shape)] = got or {"error": err}
+      log(f"  HF B={shape.batch} prompt={shape.prompt}: {got or err}")
+  Path(args.hf_worker).write_text(json.dumps(result))
+
+
+def run_hf_worker(args, budget: "Budget") -> tuple[dict, str | None]:
+  """Runs this script with --hf-worker in a subprocess; -> ({shape key: row}, note)."""
+  if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+    return {}, "Hugging Face row skipped: torch or transformers is not installed"
+  seconds = max(30.0, min(HF_BUDGET_S, args.budget_s - budget.elapsed()))
+  with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp) / "hf.json"
+    command = [sys.executable, __file__, "--hf-worker", str(out), "--budget-s", str(seconds)]
+    command += ["--smoke"] if args.smoke else (["--quick"] if args.quick else [])
+    log(f"[{budget.elapsed():6.1f}s] Hugging Face transformers (subprocess, {seconds:.0f} s budget)")
+    try:
+      subprocess.run(command, check=True, timeout=seconds + 180)
+      result = json.loads(out.read_text())
+    except (subprocess.SubprocessError, OSError, ValueError) as e:
+      return {}, f"Hugging Face worker failed: {common.error_text(e)}"
+  return result["rows"], result["note"]
+
+
+class Budget:
+  """Rows past the time budget are skipped (and say so), so results are always written."""
+
+  def __init__(self, seconds: float):
+    self.start, self.seconds = time.perf_counter(), seconds
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  def exhausted(self) -> bool:
+    return self.elapsed() > self.seconds
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--smoke", action="store_true", help="tiny config on the CPU, end to end")
+  p.add_argument("--quick", action="store_true", help="batch 1 and 8 at 1K only")
+  p.add_argument("--impls", default=",".join(label for label, *_ in IMPLS) + ",hf",
+                 help="comma-separated subset of: " + ", ".join(l for l, *_ in IMPLS) + ", hf")
+  p.add_argument("--budget-s", type=float, default=330.0)
+  p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
+  p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.hf_worker:
+    return hf_worker(args)
+  budget = Budget(args.budget_s)
+  from models import qwen2
+
+  wanted = {s.strip() for s in args.impls.split(",") if s.strip()}
+  config, shapes, dtype = plan(args)
+  hbm_gib = 1 / 64 if args.smoke else 4.0
+  out_dir = common.smoke_out_dir("generate") if args.smoke else (args.out or common.DEFAULT_OUT)
+  rows, notes = [], []
+
+  # Hugging Face first, in a process of its own: torch and JAX never share CUDA libraries
+  # (each brings its own cuDNN), and torch is done before JAX takes its share of memory.
+  hf_rows: dict = {}
+  if "hf" in wanted:
+    hf_rows, note = run_hf_worker(args, budget)
+    if note:
+      notes.append(note)
+
+  meta = common.env_metadata()
+  log(f"generate benchmark on {meta['device']} ({meta['backend']}), jax {meta['versions'].get('jax')}")
+  ceiling, err = common.try_call(common.hbm_read_ceiling_gbs, hbm_gib)
+  meta["ceilings"] = {"hbm_read_gbs": ceiling, "hbm_read_bytes": hbm_gib * 2**30} if ceiling else {
+      "hbm_read_error": err}
+  log(f"HBM read ceiling: {ceiling} GB/s")
+  model = qwen2.random_model(config, seed=0, dtype=dtype)
+  weights = model_bytes(model)
+  itemsize = jnp.dtype(model.dtype).itemsize
+  log(f"[{budget.elapsed():6.1f}s] model: {weights / 1e9:.2f} GB of {dtype} weights")
+
+  for shape in shapes:
+    kv = kv_bytes_per_step(config, shape, itemsize)
+    floor_ms = (weights + kv) / (ceiling * 1e9) * 1e3 if ceiling else None
+    base = dict(batch=shape.batch, prompt=shape.prompt, new_tokens=shape.new_tokens,
+                weights_gb=weights / 1e9, kv_read_gb=kv / 1e9, floor_ms=floor_ms)
+    cases = [(label, impl, cache) for label, impl, cache in IMPLS if label in wanted]
+    if not common.has_gpu():
+      cases = [c for c in cases if c[1] != "cudnn"]
+    for label, impl, cache in cases:
+      if budget.exhausted():
+        notes.append(f"{label} B={shape.batch} prompt={shape.prompt}: skipped (time budget)")
+        continue
+      log(f"[{budget.elapsed():6.1f}s] {label} B={shape.batch} prompt={shape.prompt}")
+      got, err = common.try_call(bench_jax, model, shape, impl, cache)
+      common.free_memory()
+      rows.append({**base, "impl": label, "cache": cache, **(got or {"error": err})})
+      log(f"  {got or err}")
+    if hf_rows.get(shape_key(shape)):
+      rows.append({**base, "impl": "HF transformers (sdpa)", "cache": "HF DynamicCache",
+                   **hf_rows[shape_key(shape)]})
+  for row in rows:
+    if row.get("floor_ms") and row.get("decode_ms_step"):
+      row["floor_pct"] = 100 * row["floor_ms"] / row["decode_ms_step"]
+    row["case"] = f"B={row['batch']} prompt {row['prompt']} {row['impl']}"
+
+  meta.update(
+      title="End-to-end generation: Qwen2.5-1.5B shapes, random bf16 weights",
+      model=dataclasses.asdict(config), dtype=dtype, smoke=args.smoke,
+      timing="wall clock (time.perf_counter around block_until_ready)",
+      method=("prefill: median of runs 2-3 (run 1 compiles); decode ms/step: median wall clock of "
+              "single steps, each blocked; pipelined: steps dispatched back to back / count; "
+              "floor: (weights + K/V read at the mean context) / HBM read ceiling"))
+  meta["notes_header"] = [
+      "Attention: jaxflash = the Pallas kernels (prefill, split-KV decode, paged decode, pages of 16); "
+      "xla = jaxflash's plain-JAX path; cudnn = jax.nn.dot_product_attention(implementation='cudnn').",
+      "Everything else (projections, MLP, norms, sampling: greedy) is the same jitted model code.",
+  ]
+  columns = [("batch", "B"), ("prompt", "prompt"), ("impl", "attention"), ("cache", "cache"),
+             ("prefill_ms", "prefill ms"), ("decode_ms_step", "decode ms/step (median)"),
+             ("tokens_per_s", "tokens/s"), ("pipelined_ms_step", "pipelined ms/step"),
+             ("floor_ms", "floor ms/step"), ("floor_pct", "% of floor", "{:.0f}"),
+             ("compile_s", "compile s"), ("error", "error")]
+  plot = dict(kind="bar", x="case", y="decode_ms_step", logy=True,
+              ylabel="decode ms/step (wall, median; log scale)",
+              title="Qwen2.5-1.5B shapes, bf16, one H200: decode step time")
+  paths = common.write_results("generate", rows, meta, columns, plot=plot, out_dir=out_dir, notes=notes)
+  log(common.markdown_table(rows, columns))
+  log(f"wrote {', '.join(str(p) for p in paths.values())} in {budget.elapsed():.0f} s")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,168 @@
+"""`python -m models.generate` (or `jaxflash-generate`): stream text from Qwen2.5 on jaxflash.
+
+    python -m models.generate --checkpoint ~/models/Qwen2.5-1.5B-Instruct --chat \\
+        --prompt "Why is the sky blue?" --max-new-tokens 128
+
+With `--checkpoint DIR` the model and its tokenizer are read offline from DIR (HF layout:
+config.json, *.safetensors, tokenizer.json). Without it, a small Qwen2.5-shaped model with
+RANDOM weights and a built-in byte-level tokenizer runs instead, so the command works on
+any machine (on a CPU the kernels run in Pallas interpret mode): its text is noise, its
+timings are real. Prints the prefill time and the decode speed after the text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_PROMPT = "The best thing about fast attention kernels is"
+CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def demo_config():
+  """Qwen2.5's layout (GQA 2:1 here, biased q/k/v, SwiGLU, tied embeddings, rope_theta
+  1e6) at a size that runs in seconds on a CPU; the vocabulary fits the byte tokenizer."""
+  from models.qwen2 import Qwen2Config
+  from models.tokenizer import SPECIAL_TOKENS
+  return Qwen2Config(vocab_size=256 + len(SPECIAL_TOKENS), hidden_size=256, intermediate_size=768,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, rope_theta=1_000_000.0, max_position_embeddings=4096,
+                     tie_word_embeddings=True, eos_token_id=256)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m models.generate",
+                                   description="Stream text from Qwen2.5 with jaxflash attention.")
+  parser.add_argument("--checkpoint", help="local HF Qwen2/Qwen2.5 directory (default: a small "
+                      "random-weight model with a byte-level tokenizer)")
+  parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+  parser.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen's chat template")
+  parser.add_argument("--max-new-tokens", type=int, default=None,
+                      help="default: 64 with a checkpoint, 24 for the random model")
+  parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
+  parser.add_argument("--top-k", type=int, default=None)
+  parser.add_argument("--top-p", type=float, default=None)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged",
+                      help="KV cache layout (default: paged)")
+  parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
+  parser.add_argument("--attention", choices=("jaxflash", "xla", "cudnn"), default="jaxflash",
+                      help="jaxflash kernels (default), jaxflash's plain-JAX path, or jax.nn's "
+                      "cuDNN (GPU only)")
+  parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the "
+                      "checkpoint's dtype; float32 for the random model)")
+  parser.add_argument("--no-stream", action="store_true",
+                      help="show a progress bar and print the text at the end")
+  return parser.parse_args(argv)
+
+
+def _eos_ids(checkpoint: str, config) -> tuple[int, ...]:
+  """The config's EOS ids plus generation_config.json's (instruct models stop on <|im_end|>)."""
+  ids = list(config.eos_token_ids)
+  path = os.path.join(checkpoint, "generation_config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      extra = json.load(f).get("eos_token_id")
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+  return tuple(dict.fromkeys(ids))
+
+
+def load(args):
+  """-> (model, tokenizer, eos ids, a description of what was loaded)."""
+  from tokenizers import Tokenizer
+
+  from models import qwen2
+  from models.tokenizer import byte_tokenizer
+  if args.checkpoint:
+    tokenizer_file = os.path.join(args.checkpoint, "tokenizer.json")
+    if not os.path.exists(tokenizer_file):
+      raise SystemExit(f"error: no tokenizer.json in {args.checkpoint}")
+    model = qwen2.from_pretrained(args.checkpoint, dtype=args.dtype, progress=True)
+    tokenizer = Tokenizer.from_file(tokenizer_file)
+    return model, tokenizer, _eos_ids(args.checkpoint, model.config), f"checkpoint {args.checkpoint}"
+  config = demo_config()
+  model = qwen2.random_model(config, seed=args.seed, dtype=args.dtype or "float32")
+  label = (f"RANDOM WEIGHTS (no --checkpoint): a Qwen2.5-shaped demo model, {config.num_hidden_layers} "
+           f"layers, hidden {config.hidden_size}, {config.num_attention_heads}:"
+           f"{config.num_key_value_heads} GQA heads; byte-level tokenizer. The text is noise.")
+  return model, byte_tokenizer(), config.eos_token_ids, label
+
+
+class TextStream:
+  """Turns tokens into text as they arrive, holding back a split multi-byte character."""
+
+  def __init__(self, tokenizer, out=sys.stdout):
+    self.tokenizer, self.out = tokenizer, out
+    self.tokens: list[int] = []
+    self.printed = 0
+
+  def __call__(self, step_tokens) -> None:
+    if step_tokens[0] is None:
+      return
+    self.tokens.append(step_tokens[0])
+    text = self.tokenizer.decode(self.tokens)
+    if text.endswith("\ufffd"):
+      return  # wait for the rest of the UTF-8 sequence
+    self.out.write(text[self.printed:])
+    self.out.flush()
+    self.printed = len(text)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from tqdm.auto import tqdm
+
+  from models import qwen2
+
+  started = time.perf_counter()
+  model, tokenizer, eos_ids, label = load(args)
+  max_new = args.max_new_tokens or (64 if args.checkpoint else 24)
+  prompt = CHAT_TEMPLATE.format(prompt=args.prompt) if args.chat else args.prompt
+  prompt_ids = tokenizer.encode(prompt).ids
+  backend = jax.default_backend()
+  kernels = "jaxflash kernels" + ("" if backend == "gpu" else " (Pallas interpret mode: no GPU)")
+  attention = {"jaxflash": kernels, "xla": "jaxflash's plain-JAX path", "cudnn": "cuDNN"}[args.attention]
+  print(f"model:     {label}")
+  print(f"attention: {attention}; {args.cache} KV cache; {jnp.dtype(model.dtype).name} on "
+        f"{jax.devices()[0].device_kind}")
+
+  sampler = qwen2.Sampler(model, cache=args.cache, page_size=args.page_size,
+                          attention_impl=args.attention)
+  options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                 eos_token_id=eos_ids, seed=args.seed)
+  # Compile the prefill and the decode step on the real shapes (a run stopped after two
+  # steps), so the timings below measure running, not compiling.
+  stops = iter([False])
+  with tqdm(total=1, desc="compiling", bar_format="{desc}: {elapsed}", leave=False) as bar:
+    compile_start = time.perf_counter()
+    sampler([prompt_ids], max_new, stream=lambda _: next(stops, True), **options)
+    compile_seconds = time.perf_counter() - compile_start
+    bar.update()
+  print(f"ready in {time.perf_counter() - started:.1f} s (compilation {compile_seconds:.1f} s)")
+  print(f"prompt:    {prompt!r} ({len(prompt_ids)} tokens)\n")
+
+  if args.no_stream:
+    bar = tqdm(total=max_new, desc="generating", unit="tok")
+    result = sampler([prompt_ids], max_new, stream=lambda _: bar.update(), **options)
+    bar.close()
+    print(tokenizer.decode(result.tokens[0]))
+  else:
+    sys.stdout.write(prompt)
+    result = sampler([prompt_ids], max_new, stream=TextStream(tokenizer), **options)
+    print()
+  new = len(result.tokens[0])
+  stopped = "EOS" if new and result.tokens[0][-1] in eos_ids else "max tokens"
+  print(f"\nprefill:   {result.prefill_seconds * 1e3:.1f} ms for {len(prompt_ids)} prompt tokens")
+  if result.decode_steps:
+    print(f"decode:    {result.decode_tokens} tokens in {result.decode_seconds:.3f} s = "
+          f"{result.decode_tokens_per_second:.1f} tokens/s ({stopped})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,176 @@
+"""The benchmark harness without a GPU: trace parsing on a synthetic perfetto trace,
+attribution of kernels to cases, the CPU wall-clock fallback, and the result files."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench import common
+
+
+def _synthetic_trace() -> dict:
+  """What jax.profiler writes on a GPU, reduced: a host process, the GPU process (kernels on
+  a stream thread, with hlo_module/hlo_op args) and a second GPU that must be ignored."""
+  meta = [
+      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+      {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "pid": 8, "name": "process_name", "args": {"name": "/device:GPU:01"}},
+      {"ph": "M", "pid": 7, "tid": 14, "name": "thread_name",
+       "args": {"name": "Stream #14(Memset,Compute)"}},
+      {"ph": "M", "pid": 7, "tid": 90, "name": "thread_name", "args": {"name": "XLA Ops"}},
+  ]
+  kernels = []
+  for call in range(2):  # two timed calls of case A, one of case B
+    t0 = 1000.0 * call
+    kernels += [
+        {"ph": "X", "pid": 7, "tid": 14, "ts": t0 + 10, "dur": 30.0, "name": "jaxflash_decode",
+         "args": {"hlo_module": "jit_bcase000x", "hlo_op": "custom-call.1"}},
+        {"ph": "X", "pid": 7, "tid": 14, "ts": t0 + 45, "dur": 5.0, "name": "jaxflash_decode_combine",
+         "args": {"hlo_module": "jit_bcase000x", "hlo_op": "custom-call.2"}},
+        {"ph": "X", "pid": 7, "tid": 14, "ts": t0 + 5, "dur": 1.0, "name": "Memset",
+         "args": {"hlo_module": "jit_bcase000x"}},
+    ]
+  kernels.append({"ph": "X", "pid": 7, "tid": 14, "ts": 5000.0, "dur": 12.5,
+                  "name": "nvjet_sm90_tst_128x256", "args": {"hlo_module": "jit_bcase001x"}})
+  others = [
+      {"ph": "X", "pid": 1, "tid": 3, "ts": 0.0, "dur": 9000.0, "name": "PjitFunction(bcase000x)"},
+      {"ph": "X", "pid": 8, "tid": 2, "ts": 0.0, "dur": 777.0, "name": "other_gpu_kernel"},
+      {"ph": "i", "pid": 7, "tid": 14, "ts": 3.0, "name": "instant event"},
+      # A derived line repeating the kernels' span: must not be counted twice.
+      {"ph": "X", "pid": 7, "tid": 90, "ts": 10.0, "dur": 40.0, "name": "custom-call.1",
+       "args": {"hlo_module": "jit_bcase000x"}},
+  ]
+  return {"displayTimeUnit": "ns", "traceEvents": meta + kernels + others}
+
+
+@pytest.fixture
+def trace_dir(tmp_path):
+  profile = tmp_path / "plugins" / "profile" / "2026_11_29_12_00_00"
+  profile.mkdir(parents=True)
+  with gzip.open(profile / "perfetto_trace.json.gz", "wt") as f:
+    json.dump(_synthetic_trace(), f)
+  return tmp_path
+
+
+def test_trace_parser_sums_gpu_kernels(trace_dir):
+  path = common.find_perfetto_trace(trace_dir)
+  assert path is not None and path.name == "perfetto_trace.json.gz"
+  trace = common.load_trace(path)
+  assert common.process_names(trace)[7] == "/device:GPU:0"
+  events = common.gpu_kernel_events(trace)
+  assert len(events) == 7  # host events, the other GPU, derived lines and instant events are left out
+  assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+
+  by_case, unassigned = common.attribute_events(events, {"A": "bcase000x", "B": "bcase001x"})
+  assert unassigned == 0 and len(by_case["A"]) == 6 and len(by_case["B"]) == 1
+  us, kernels, launches = common.summarize_kernels(by_case["A"], iters=2)
+  assert us == pytest.approx(36.0) and launches == 3
+  assert kernels == {"jaxflash_decode": 30.0, "jaxflash_decode_combine": 5.0, "Memset": 1.0}
+  assert list(kernels)[0] == "jaxflash_decode"  # largest first
+  timing = common.Timing(us, kernels)
+  assert timing.kernel_us("combine", "memset") == pytest.approx(6.0)
+
+  _, unassigned = common.attribute_events(events, {"A": "bcase000x"})
+  assert unassigned == 1  # an event no case claims makes the grouped timing untrusted
+
+
+def test_trace_without_thread_names_counts_every_gpu_event():
+  trace = _synthetic_trace()
+  trace["traceEvents"] = [e for e in trace["traceEvents"] if e.get("name") != "thread_name"]
+  assert len(common.gpu_kernel_events(trace)) == 8  # nothing tells the stream lines apart
+
+
+def test_trace_parser_without_gpu_process(tmp_path):
+  trace = {"traceEvents": [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+                           {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 5, "name": "host"}]}
+  assert common.gpu_kernel_events(trace) == []
+  assert common.find_perfetto_trace(tmp_path) is None
+
+
+@pytest.mark.skipif(common.has_gpu(), reason="checks the CPU fallback")
+def test_cpu_timing_falls_back_to_wall_clock():
+  x = jnp.ones((64, 64), jnp.float32)
+  t = common.device_time_us(jax.jit(lambda a: a @ a), x, iters=3)
+  assert t.method == common.WALL_NO_GPU and t.us > 0 and t.iters == 3
+
+  def boom(a):
+    raise ValueError("no such kernel")
+  sets = common.ArgSets([(x,), (x + 1,)])
+  got = common.device_times_us({"ok": (lambda a: a * 2, sets), "bad": (boom, (x,))},
+                               iters=3, keep_output=True)
+  assert "no such kernel" in got["bad"]["error"]
+  assert isinstance(got["ok"], common.Timing) and got["ok"].iters == 4  # whole rotations
+  assert float(got["ok"].output[0, 0]) == 2.0  # first call, first argument set
+  assert common.peak_temp_memory_bytes(jax.jit(lambda a: (a @ a) @ a), x) is not None
+
+
+def test_choose_iters_bounds():
+  assert common.choose_iters(1e9) == 3
+  assert common.choose_iters(1.0) == common.MAX_ITERS
+  assert common.choose_iters(float("nan")) == 3
+  assert common.choose_iters(1e9, sets=4) == 4
+
+
+def test_write_results(tmp_path):
+  rows = [{"n": 1024, "jaxflash_tflops": 123.456, "cudnn_tflops": None, "ratio": float("nan"),
+           "kernels": {"x": 1.0}},
+          {"n": 2048, "jaxflash_tflops": 0.00123, "cudnn_tflops": 401.0, "ratio": 0.5}]
+  meta = {"device": "NVIDIA H200", "backend": "gpu", "sm_count": 132, "compute_capability": "9.0",
+          "driver": "570.00", "versions": {"jax": "0.11.2", "jaxlib": "0.11.2"},
+          "date": "2026-11-29T12:00:00+00:00", "timing": "device",
+          "ceilings": {"matmul_tflops": 813.0, "matmul_n": 8192, "hbm_read_gbs": 4600.0,
+                       "hbm_read_bytes": 4 * 2**30}}
+  plot = {"x": "n", "y": ["jaxflash_tflops", "cudnn_tflops"], "logx": True, "hline": (813.0, "ceiling")}
+  paths = common.write_results("unit", rows, meta,
+                               [("n", "n"), ("jaxflash_tflops", "jaxflash"), ("cudnn_tflops", "cuDNN"),
+                                ("ratio", "jf/cudnn", "{:.2f}")],
+                               plot=plot, out_dir=tmp_path, notes=["a note"], extra={"sweep": [{"a": 1}]})
+  data = json.loads((tmp_path / "unit.json").read_text())  # strict JSON: NaN became null
+  assert data["rows"][0]["ratio"] is None and data["rows"][0]["cudnn_tflops"] is None
+  assert data["meta"]["device"] == "NVIDIA H200" and data["sweep"] == [{"a": 1}]
+  assert "session" in data["meta"]
+  md = (tmp_path / "unit.md").read_text()
+  assert "- GPU: NVIDIA H200" in md and "jax 0.11.2" in md and "2026-11-29" in md
+  assert "bf16 matmul 813 TFLOP/s" in md and "HBM read 4600 GB/s" in md
+  assert "| n | jaxflash | cuDNN | jf/cudnn |" in md
+  assert "| 1024 | 123 | – | – |" in md and "| 2048 | 1.23e-03 | 401 | 0.50 |" in md
+  assert md.rstrip().endswith("- a note")
+  pytest.importorskip("matplotlib")
+  assert (tmp_path / "unit.png").stat().st_size > 1000 and paths["png"]
+
+
+def test_format_value():
+  assert common.format_value(None) == "–"
+  assert common.format_value(math.inf) == "–"
+  assert common.format_value(3) == "3"
+  assert common.format_value(12.345) == "12.3"
+  assert common.format_value(0.5, "{:.3f}") == "0.500"
+
+
+def test_grouped_timing_attributes_kernels_by_module(monkeypatch):
+  """The GPU path of device_times_us on CPU: a profiler session that returns the synthetic
+  trace, whose kernels carry the modules of cases 0 (A) and 1 (B)."""
+  monkeypatch.setattr(common, "has_gpu", lambda: True)
+  ran = []
+  monkeypatch.setattr(common, "_profile", lambda run: (run(), ran.append(1), _synthetic_trace())[-1])
+  x = jnp.ones((8,), jnp.float32)
+  got = common.device_times_us({"A": (lambda a: a + 1, (x,)), "B": (lambda a: a * 2, (x,))}, iters=2)
+  assert ran == [1]  # one profiler session for both cases
+  assert got["A"].us == pytest.approx(36.0) and got["A"].launches == 3
+  assert got["B"].us == pytest.approx(6.25) and list(got["B"].kernels) == ["nvjet_sm90_tst_128x256"]
+  assert got["A"].method == common.DEVICE
+
+
+def test_grouped_timing_without_gpu_events_falls_back(monkeypatch):
+  """A GPU backend whose trace holds no GPU events (here: the real profiler on CPU) ends in
+  per-case sessions and then the wall clock, and says so."""
+  monkeypatch.setattr(common, "has_gpu", lambda: True)
+  x = jnp.ones((8,), jnp.float32)
+  got = common.device_times_us({"A": (lambda a: a + 1, (x,))}, iters=2)
+  assert got["A"].method.startswith("wall (no GPU events")
+  assert "per case" in common.SESSION["attribution"]

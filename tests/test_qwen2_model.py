@@ -1,0 +1,271 @@
+"""models.qwen2 beyond parity: config mapping, checkpoint loading and its errors, sampling,
+EOS stopping, the page allocator, streaming, and the `python -m models.generate` command.
+
+Generation here runs attention through jaxflash's plain-JAX path ("xla") unless the
+kernels are the point: they are interpreted on a CPU, and tests/test_qwen2_parity.py
+already runs them end to end against transformers.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models.qwen2 as qwen2
+from models.qwen2.sampling import SamplingParams, sample_logits
+
+NEW_TOKENS = 6
+
+
+# ----------------------------------------------------------------------------- config
+
+QWEN25_STYLE = {  # as Qwen2.5-0.5B-Instruct's config.json writes it (transformers 4.x)
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    "num_key_value_heads": 2, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "eos_token_id": 151645, "bos_token_id": 151643, "rope_scaling": None,
+    "use_sliding_window": False, "sliding_window": 32768, "hidden_act": "silu",
+}
+
+
+def test_config_from_hf_dict():
+  config = qwen2.Qwen2Config.from_hf_dict(QWEN25_STYLE)
+  assert config == qwen2.Qwen2Config.qwen2_5_0_5b(eos_token_id=151645)
+  assert config.head_dim == 64  # hidden / heads when the file has no head_dim
+  # transformers 5 nests rope_theta in rope_parameters and writes "dtype".
+  v5 = {**QWEN25_STYLE, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+        "dtype": "float32", "head_dim": 32, "eos_token_id": [1, 2]}
+  del v5["rope_theta"], v5["torch_dtype"]
+  config = qwen2.Qwen2Config.from_hf_dict(v5)
+  assert (config.rope_theta, config.torch_dtype, config.head_dim) == (5e5, "float32", 32)
+  assert config.eos_token_ids == (1, 2)
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, ValueError),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, NotImplementedError),
+    ({"use_sliding_window": True}, NotImplementedError),
+    ({"num_key_value_heads": 3}, ValueError),
+])
+def test_config_refuses_what_it_cannot_run(change, error):
+  with pytest.raises(error):
+    qwen2.Qwen2Config.from_hf_dict({**QWEN25_STYLE, **change})
+
+
+def test_qwen2_5_1_5b_parameter_count():
+  """The preset builds the published model: 1,543,714,304 parameters (1.54B)."""
+  model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(qwen2.Qwen2Config.qwen2_5_1_5b(),
+                                                        rngs=nnx.Rngs(0)))
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert sum(p.size for p in params) == 1_543_714_304
+
+
+def test_random_model_forward():
+  config = qwen2.Qwen2Config.tiny()
+  model = qwen2.random_model(config, seed=0, dtype="bfloat16")
+  assert model.embedder.embedding.dtype == jnp.bfloat16
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 8)))
+  logits = model(ids, attention_impl="xla")
+  assert logits.shape == (2, 8, config.vocab_size) and logits.dtype == jnp.bfloat16
+  assert np.isfinite(np.asarray(logits, np.float32)).all()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+@pytest.fixture(scope="module")
+def checkpoint():
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from tests import qwen2_fixtures
+  return qwen2_fixtures.hf_checkpoint(tied=True)[0]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+  return qwen2.from_pretrained(checkpoint)
+
+
+def _rewrite_checkpoint(source: str, target: str, edit) -> str:
+  """Copies a single-file checkpoint with edit(tensors) applied to its tensors."""
+  from safetensors.numpy import load_file, save_file
+  os.makedirs(target, exist_ok=True)
+  shutil.copy(os.path.join(source, "config.json"), target)
+  tensors = load_file(os.path.join(source, "model.safetensors"))
+  edit(tensors)
+  save_file(tensors, os.path.join(target, "model.safetensors"))
+  return target
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"),
+     r"missing 1 parameter\(s\): model\.layers\.1\.self_attn\.k_proj\.bias"),
+    (lambda t: t.update({"model.layers.0.self_attn.rotary_bias": np.zeros(3, np.float32)}),
+     r"unexpected 1 tensor\(s\): model\.layers\.0\.self_attn\.rotary_bias"),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": np.zeros((64, 64), np.float32)}),
+     r"model\.layers\.0\.mlp\.up_proj\.weight: checkpoint \(64, 64\), model expects \(128, 64\)"),
+], ids=["missing", "unexpected", "misshaped"])
+def test_loader_names_the_bad_tensor(checkpoint, tmp_path, edit, message):
+  broken = _rewrite_checkpoint(checkpoint, str(tmp_path / "broken"), edit)
+  with pytest.raises(qwen2.CheckpointError, match=message):
+    qwen2.from_pretrained(broken)
+
+
+def test_loader_needs_safetensors(tmp_path, checkpoint):
+  shutil.copy(os.path.join(checkpoint, "config.json"), tmp_path)
+  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    qwen2.from_pretrained(tmp_path)
+
+
+def test_sharded_checkpoint(checkpoint, model, tmp_path):
+  """A checkpoint split over several files (model.safetensors.index.json) loads the same."""
+  from transformers import Qwen2ForCausalLM
+  sharded = str(tmp_path / "sharded")
+  Qwen2ForCausalLM.from_pretrained(checkpoint).save_pretrained(sharded, max_shard_size="40KB")
+  files = os.listdir(sharded)
+  assert "model.safetensors.index.json" in files
+  assert sum(f.endswith(".safetensors") for f in files) > 1
+  loaded = qwen2.from_pretrained(sharded)
+  for a, b in zip(jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(model))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_dtype_by_name_or_dtype(checkpoint):
+  by_name = qwen2.from_pretrained(checkpoint, dtype="bfloat16")
+  by_dtype = qwen2.from_pretrained(checkpoint, dtype=jnp.bfloat16, param_dtype="float32")
+  assert by_name.embedder.embedding.dtype == jnp.bfloat16 and by_name.dtype == jnp.bfloat16
+  assert by_dtype.embedder.embedding.dtype == jnp.float32 and by_dtype.dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="dtype"):
+    qwen2.from_pretrained(checkpoint, dtype="int8")
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def test_sample_logits_rules():
+  logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 50)), jnp.float32)
+  keys = jax.random.split(jax.random.key(0), 64)
+  greedy = jnp.argmax(logits, axis=-1)
+  draw = lambda params: jax.vmap(lambda k: sample_logits(logits, k, params))(keys)  # [64, 4]
+  np.testing.assert_array_equal(sample_logits(logits, keys[0], SamplingParams()), greedy)
+  np.testing.assert_array_equal(draw(SamplingParams(1.0, top_k=1)), np.broadcast_to(greedy, (64, 4)))
+  np.testing.assert_array_equal(draw(SamplingParams(1.0, top_p=1e-6)), np.broadcast_to(greedy, (64, 4)))
+  top3 = np.asarray(jax.lax.top_k(logits, 3)[1])
+  drawn = np.asarray(draw(SamplingParams(2.0, top_k=3)))
+  for row in range(4):
+    assert set(drawn[:, row]) <= set(top3[row]) and len(set(drawn[:, row])) > 1
+  # Reproducible: the same key draws the same tokens.
+  nucleus = SamplingParams(1.5, top_p=0.9)
+  np.testing.assert_array_equal(draw(nucleus), draw(nucleus))
+  with pytest.raises(ValueError):
+    SamplingParams(temperature=-1.0)
+
+
+def _prompts():
+  from tests import qwen2_fixtures
+  return qwen2_fixtures.prompts((4, 13), seed=5)
+
+
+def test_sampling_top_k_1_is_greedy_and_seeded(model):
+  prompts = _prompts()
+  run = lambda **kw: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", **kw)
+  greedy = run()
+  assert run(temperature=0.7, top_k=1, seed=3) == greedy
+  sampled = run(temperature=1.5, seed=11)
+  assert run(temperature=1.5, seed=11) == sampled
+  assert any(run(temperature=1.5, seed=s) != sampled for s in (12, 13))
+
+
+# ----------------------------------------------------------------------------- EOS, pages, streaming
+
+def test_eos_stops_each_sequence_and_is_included(model):
+  prompts = _prompts()
+  full = qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache="contiguous")
+  eos = full[0][2]
+  expected = [seq[:seq.index(eos) + 1] if eos in seq else seq for seq in full]
+  assert len(expected[0]) <= 3
+  for cache in ("contiguous", "paged"):
+    got = qwen2.generate(model, prompts, NEW_TOKENS, eos_token_id=eos, attention_impl="xla",
+                         cache=cache, page_size=8)
+    assert got == expected, cache
+
+
+def test_finished_sequences_return_their_pages(model):
+  """Prompt 0 stops at once (its first token is EOS); prompt 1 can only grow into a third
+  page if the allocator hands it prompt 0's page back."""
+  prompts = _prompts()  # lengths 4 and 13: one page and two pages of 8
+  new_tokens = 10  # prompt 1 reaches position 13 + 9 = 22 > 16: a third page
+  full = qwen2.generate(model, prompts, new_tokens, attention_impl="xla", cache="contiguous")
+  eos = full[0][0]
+  assert eos not in full[1], "pick other prompts: prompt 1 must not stop early"
+  sampler = qwen2.Sampler(model, cache="paged", page_size=8, num_pages=3, attention_impl="xla")
+  out = sampler(prompts, new_tokens, eos_token_id=eos)
+  assert out.tokens == [[eos], full[1]]
+  assert sampler.allocator.free_pages == 3  # every page back once all sequences finished
+  with pytest.raises(qwen2.OutOfPagesError):
+    qwen2.Sampler(model, cache="paged", page_size=8, num_pages=3, attention_impl="xla")(
+        prompts, new_tokens)  # without the EOS nobody finishes early: 2 + 3 pages needed
+
+
+def test_page_allocator():
+  allocator = qwen2.PageAllocator(num_pages=4, page_size=8, batch=2, max_pages=3)
+  allocator.reserve(0, 9)  # two pages
+  allocator.reserve(1, 1)
+  assert allocator.block_table.tolist() == [[0, 1, 0], [2, 0, 0]] and allocator.free_pages == 1
+  allocator.reserve(0, 16)  # still two pages: nothing new
+  assert allocator.free_pages == 1
+  allocator.release(0)
+  assert allocator.free_pages == 3 and allocator.block_table[0].tolist() == [0, 0, 0]
+  allocator.reserve(1, 24)
+  assert allocator.block_table[1].tolist() == [2, 0, 1]  # freed pages are reused, lowest first
+  with pytest.raises(ValueError, match="block table"):
+    allocator.reserve(1, 25)
+
+
+def test_stream_callback_sees_every_token(model):
+  prompts = _prompts()
+  seen = []
+  got = qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla",
+                       stream=lambda step: seen.append(list(step)))
+  assert len(seen) == NEW_TOKENS and all(len(step) == len(prompts) for step in seen)
+  assert [[step[i] for step in seen if step[i] is not None] for i in range(len(prompts))] == got
+  # Returning True stops generation.
+  stopped = qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla",
+                           stream=lambda step: len(seen) > 0)
+  assert stopped == [seq[:1] for seq in got]
+
+
+def test_generate_checks_its_arguments(model):
+  with pytest.raises(ValueError, match="non-empty"):
+    qwen2.generate(model, [[1], []], 2)
+  with pytest.raises(ValueError, match="cache"):
+    qwen2.generate(model, [[1]], 2, cache="ring")
+  with pytest.raises(ValueError, match="attention_impl"):
+    qwen2.generate(model, [[1]], 2, attention_impl="flash")
+  with pytest.raises(ValueError, match="max_position_embeddings"):
+    qwen2.generate(model, [[1]], 10_000)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def test_generate_command_random_model(capsys):
+  from models import generate as command
+  assert command.main(["--max-new-tokens", "4", "--prompt", "Hi"]) == 0
+  out = capsys.readouterr().out
+  assert "RANDOM WEIGHTS" in out and "prefill:" in out and "tokens/s" in out
+
+
+def test_generate_command_with_checkpoint(checkpoint, tmp_path, capsys):
+  from models import generate as command
+  from models.tokenizer import byte_tokenizer
+  directory = tmp_path / "with_tokenizer"
+  shutil.copytree(checkpoint, directory)
+  byte_tokenizer().save(str(directory / "tokenizer.json"))  # "abc" encodes to ids 97-99
+  assert command.main(["--checkpoint", str(directory), "--prompt", "abc", "--max-new-tokens", "3",
+                       "--attention", "xla", "--cache", "contiguous", "--no-stream"]) == 0
+  out = capsys.readouterr().out
+  assert f"checkpoint {directory}" in out and "decode:" in out
