@@ -35,6 +35,25 @@ def demo_config():
                      tie_word_embeddings=True, eos_token_id=256)
 
 
+RANDOM_WEIGHT_SCALE = 8.0
+
+
+def demo_model(seed: int, dtype):
+  """The random-weight demo model. Its matrices are drawn RANDOM_WEIGHT_SCALE times wider
+  than Hugging Face's initialisation (std 0.02): at that init every layer is a near-identity
+  and greedy decoding repeats the prompt's last byte forever; wider weights make it wander."""
+  from flax import nnx
+
+  from models import qwen2
+  model = qwen2.random_model(demo_config(), seed=seed, dtype=dtype)
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, nnx.Linear):
+      module.kernel[...] = module.kernel[...] * RANDOM_WEIGHT_SCALE
+    elif isinstance(module, nnx.Embed):
+      module.embedding[...] = module.embedding[...] * RANDOM_WEIGHT_SCALE
+  return model
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m models.generate",
                                    description="Stream text from Qwen2.5 with jaxflash attention.")
@@ -85,12 +104,17 @@ def load(args):
     model = qwen2.from_pretrained(args.checkpoint, dtype=args.dtype, progress=True)
     tokenizer = Tokenizer.from_file(tokenizer_file)
     return model, tokenizer, _eos_ids(args.checkpoint, model.config), f"checkpoint {args.checkpoint}"
-  config = demo_config()
-  model = qwen2.random_model(config, seed=args.seed, dtype=args.dtype or "float32")
+  model = demo_model(args.seed, args.dtype or "float32")
+  config = model.config
   label = (f"RANDOM WEIGHTS (no --checkpoint): a Qwen2.5-shaped demo model, {config.num_hidden_layers} "
            f"layers, hidden {config.hidden_size}, {config.num_attention_heads}:"
            f"{config.num_key_value_heads} GQA heads; byte-level tokenizer. The text is noise.")
   return model, byte_tokenizer(), config.eos_token_ids, label
+
+
+def printable(text: str) -> str:
+  """Control characters (random bytes are full of them) shown as '.', lines kept."""
+  return "".join(c if c.isprintable() or c in "\n\t" else "." for c in text)
 
 
 class TextStream:
@@ -105,10 +129,16 @@ class TextStream:
     if step_tokens[0] is None:
       return
     self.tokens.append(step_tokens[0])
+    self._write(final=False)
+
+  def finish(self) -> None:
+    self._write(final=True)
+
+  def _write(self, final: bool) -> None:
     text = self.tokenizer.decode(self.tokens)
-    if text.endswith("\ufffd"):
-      return  # wait for the rest of the UTF-8 sequence
-    self.out.write(text[self.printed:])
+    if text.endswith("\ufffd") and not final:
+      return  # wait for the rest of a UTF-8 sequence split between tokens
+    self.out.write(printable(text[self.printed:]))
     self.out.flush()
     self.printed = len(text)
 
@@ -150,10 +180,12 @@ def main(argv=None) -> int:
     bar = tqdm(total=max_new, desc="generating", unit="tok")
     result = sampler([prompt_ids], max_new, stream=lambda _: bar.update(), **options)
     bar.close()
-    print(tokenizer.decode(result.tokens[0]))
+    print(printable(tokenizer.decode(result.tokens[0])))
   else:
     sys.stdout.write(prompt)
-    result = sampler([prompt_ids], max_new, stream=TextStream(tokenizer), **options)
+    text_stream = TextStream(tokenizer)
+    result = sampler([prompt_ids], max_new, stream=text_stream, **options)
+    text_stream.finish()
     print()
   new = len(result.tokens[0])
   stopped = "EOS" if new and result.tokens[0][-1] in eos_ids else "max tokens"

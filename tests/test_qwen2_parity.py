@@ -2,6 +2,7 @@
 written by transformers itself): logits within float32 rounding, greedy tokens exact."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,14 @@ PROMPT_LENGTHS = (3, 11, 29)  # buckets 16 and 32: right padding inside a bucket
 NEW_TOKENS = 6
 
 CHECKPOINTS = [pytest.param(True, id="tied"), pytest.param(False, id="untied")]
+
+
+@pytest.fixture(autouse=True)
+def full_precision_matmuls():
+  """float32 matmuls in full precision: on a GPU XLA may otherwise use TF32 for the
+  projections, which is not float32 rounding (no effect on a CPU)."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
