@@ -639,7 +639,7 @@ def write_results(name: str, rows: Sequence[dict], meta: dict, columns=None, plo
   out.mkdir(parents=True, exist_ok=True)
   meta = {**meta, "session": dict(SESSION)}
   paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-  payload = {"name": name, "meta": meta, "rows": list(rows)}
+  payload = {"name": name, "meta": meta, "rows": list(rows), "notes": list(notes)}
   if extra:
     payload.update(extra)
   paths["json"].write_text(json.dumps(_jsonable(payload), indent=1) + "\n")

@@ -39,6 +39,7 @@ NEW_TOKENS = 128
 PREFILL_RUNS = 3  # the first compiles; the median of the other two is reported
 HF_BUDGET_S = 100.0  # the Hugging Face rows stop starting new shapes after this
 SYNCED_FRACTION = 0.5  # steps timed one by one; the rest run back to back (pipelined)
+PROFILED_STEPS = 8  # the last steps, under the profiler: device time and kernels per step
 # (label, attention_impl for models.qwen2, cache kind)
 IMPLS = (("jaxflash paged", "jaxflash", "paged"), ("jaxflash", "jaxflash", "contiguous"),
          ("cudnn", "cudnn", "contiguous"), ("xla", "xla", "contiguous"))
@@ -119,18 +120,38 @@ def bench_jax(model, shape: Shape, impl: str, cache_kind: str, page_size: int = 
     token, done, cache, key = jax.block_until_ready(
         sampler.decode(token, done, cache, key, eos, greedy))
     step_ms.append((time.perf_counter() - start) * 1e3)
+  profiled = min(PROFILED_STEPS, max(0, steps - synced - 1)) if common.has_gpu() else 0
   start = time.perf_counter()
-  rest = range(synced + 1, steps + 1)
+  rest = range(synced + 1, steps + 1 - profiled)
   for _ in rest:
     token, done, cache, key = sampler.decode(token, done, cache, key, eos, greedy)
   jax.block_until_ready(token)
   pipelined_ms = (time.perf_counter() - start) * 1e3 / max(len(rest), 1)
+
+  # The last few steps under the profiler: the device time of a step (its kernels' durations
+  # summed) and its kernel count, against the wall time above: the difference is launch gaps.
+  step_device_ms = kernels_per_step = None
+  if profiled:
+    state = [token, done, cache, key]
+
+    def run_profiled():
+      for _ in range(profiled):
+        state[:] = sampler.decode(*state, eos, greedy)
+      jax.block_until_ready(state[0])
+
+    trace = common._profile(run_profiled)
+    token, done, cache, key = state
+    events = common.gpu_kernel_events(trace) if trace else []
+    if events:
+      us, _, kernels_per_step = common.summarize_kernels(events, profiled)
+      step_device_ms = us / 1e3
   lengths_now = np.asarray(cache.lengths)
   assert (lengths_now == shape.prompt + steps).all(), lengths_now
   del cache
   median_step = statistics.median(step_ms) if step_ms else float("nan")
   return dict(prefill_ms=statistics.median(prefill_ms), decode_ms_step=median_step,
               pipelined_ms_step=pipelined_ms if rest else None,
+              step_device_ms=step_device_ms, kernels_per_step=kernels_per_step,
               tokens_per_s=shape.batch / median_step * 1e3, compile_s=compile_s)
 
 
@@ -205,6 +226,9 @@ def plan(args):
   shapes = [Shape(b, p) for p in (1024, 8192) for b in (1, 8)]
   if args.quick:
     shapes = [s for s in shapes if s.prompt == 1024]
+  if args.shapes:
+    wanted = {w.strip() for w in args.shapes.split(",")}
+    shapes = [s for s in shapes if f"{s.batch}x{s.prompt}" in wanted]
   return qwen2.Qwen2Config.qwen2_5_1_5b(), shapes, "bfloat16"
 
 
@@ -273,9 +297,33 @@ def parse_args(argv=None):
   p.add_argument("--impls", default=",".join(label for label, *_ in IMPLS) + ",hf",
                  help="comma-separated subset of: " + ", ".join(l for l, *_ in IMPLS) + ", hf")
   p.add_argument("--budget-s", type=float, default=330.0)
+  p.add_argument("--shapes", default=None, help="comma-separated BxPROMPT subset, e.g. 1x8192,8x8192")
+  p.add_argument("--merge", action="store_true",
+                 help="keep the rows of an earlier run's generate.json that this run does not measure")
   p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
   p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
+
+
+def merge_earlier(path: Path, rows: list, notes: list, meta: dict):
+  """Adds the rows of the run saved at `path` that this run did not measure (same B, prompt
+  and attention), each marked with that run's date; notes say which rows came from where."""
+  if not path.exists():
+    return rows, notes
+  earlier = json.loads(path.read_text())
+  measured = {(r["batch"], r["prompt"], r["impl"]) for r in rows}
+  date = earlier.get("meta", {}).get("date")
+  kept = [dict(r, run=date) for r in earlier.get("rows", [])
+          if (r["batch"], r["prompt"], r["impl"]) not in measured]
+  for r in rows:
+    r["run"] = meta.get("date")
+  if kept:
+    notes = notes + [f"{len(kept)} rows come from the run of {date} (same script, same GPU kind); "
+                     f"the other {len(rows)} from this run of {meta.get('date')}."]
+    notes += [n for n in earlier.get("notes", []) if "skipped (time budget)" not in n]
+  rank = {label: i for i, (label, *_) in enumerate(IMPLS)}
+  merged = sorted(kept + rows, key=lambda r: (r["prompt"], r["batch"], rank.get(r["impl"], len(rank))))
+  return merged, notes
 
 
 def main(argv=None):
@@ -350,11 +398,14 @@ def main(argv=None):
   columns = [("batch", "B"), ("prompt", "prompt"), ("impl", "attention"), ("cache", "cache"),
              ("prefill_ms", "prefill ms"), ("decode_ms_step", "decode ms/step (median)"),
              ("tokens_per_s", "tokens/s"), ("pipelined_ms_step", "pipelined ms/step"),
+             ("step_device_ms", "step device ms"), ("kernels_per_step", "kernels/step", "{:.0f}"),
              ("floor_ms", "floor ms/step"), ("floor_pct", "% of floor", "{:.0f}"),
              ("compile_s", "compile s"), ("error", "error")]
   plot = dict(kind="bar", x="case", y="decode_ms_step", logy=True,
               ylabel="decode ms/step (wall, median; log scale)",
               title="Qwen2.5-1.5B shapes, bf16, one H200: decode step time")
+  if args.merge:
+    rows, notes = merge_earlier(Path(out_dir) / "generate.json", rows, notes, meta)
   paths = common.write_results("generate", rows, meta, columns, plot=plot, out_dir=out_dir, notes=notes)
   log(common.markdown_table(rows, columns))
   log(f"wrote {', '.join(str(p) for p in paths.values())} in {budget.elapsed():.0f} s")

@@ -13,14 +13,25 @@ import numpy as np
 import pytest
 
 HAS_GPU = jax.default_backend() == "gpu"
+NUM_DEVICES = jax.device_count()
+
+
+def _runs_here(item) -> bool:
+  if item.get_closest_marker("gpu") and not HAS_GPU:
+    return False
+  if item.get_closest_marker("multi_gpu") and not (HAS_GPU and NUM_DEVICES >= 2):
+    return False
+  if item.get_closest_marker("single_device") and NUM_DEVICES != 1:
+    return False
+  return True
 
 
 def pytest_collection_modifyitems(config, items):
-  if HAS_GPU:
-    return
+  """Tests that cannot run on this machine are deselected (not skipped): `gpu` without a GPU,
+  `multi_gpu` with fewer than two, `single_device` with more than one device."""
   keep, drop = [], []
   for item in items:
-    (drop if item.get_closest_marker("gpu") else keep).append(item)
+    (keep if _runs_here(item) else drop).append(item)
   if drop:
     config.hook.pytest_deselected(items=drop)
     items[:] = keep

@@ -92,11 +92,12 @@ def test_trace_parser_without_gpu_process(tmp_path):
   assert common.find_perfetto_trace(tmp_path) is None
 
 
-@pytest.mark.skipif(common.has_gpu(), reason="checks the CPU fallback")
-def test_cpu_timing_falls_back_to_wall_clock():
+def test_timing_method_matches_the_backend():
+  """Device time from the profiler on a GPU; the wall clock, said so, without one."""
   x = jnp.ones((64, 64), jnp.float32)
   t = common.device_time_us(jax.jit(lambda a: a @ a), x, iters=3)
-  assert t.method == common.WALL_NO_GPU and t.us > 0 and t.iters == 3
+  assert t.method == (common.DEVICE if common.has_gpu() else common.WALL_NO_GPU)
+  assert t.us > 0 and t.iters == 3
 
   def boom(a):
     raise ValueError("no such kernel")

@@ -63,19 +63,17 @@ def test_sharded_cpu_mesh(kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.multi_gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_sharded_gpu_mesh(kernel):
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 or more GPUs")
   from tests import sharding_cases
   devices = jax.devices()[:4] if jax.device_count() >= 4 else jax.devices()[:2]
   _check(sharding_cases.run(kernel, devices))
 
 
+@pytest.mark.single_device
 def test_single_device_calls_the_kernel_directly():
   """On one device the wrapper adds nothing: the program holds no custom_partitioning."""
-  if jax.device_count() != 1:
-    pytest.skip("single-device check")
   q = jnp.zeros((1, 4, 4, 16), jnp.float32)
   kv = jnp.zeros((1, 8, 2, 16), jnp.float32)
   for query in (q, q[:, :1]):

@@ -7,6 +7,7 @@ from models.qwen2.allocator import OutOfPagesError, PageAllocator
 from models.qwen2.cache import ContiguousCache, LayerKV, PagedCache
 from models.qwen2.config import PRESETS, Qwen2Config
 from models.qwen2.model import Qwen2ForCausalLM
+from models.qwen2.parallel import TensorParallel, shard_model
 from models.qwen2.sampler import GenerationOutput, Sampler, StepFunctions, generate, step_functions
 from models.qwen2.sampling import SamplingParams, sample_logits
 from models.qwen2.weights import CheckpointError, from_pretrained, load_weights, random_model
@@ -15,5 +16,5 @@ __all__ = [
     "Qwen2Config", "PRESETS", "Qwen2ForCausalLM", "from_pretrained", "random_model",
     "load_weights", "CheckpointError", "generate", "Sampler", "GenerationOutput", "step_functions",
     "StepFunctions", "SamplingParams", "sample_logits", "ContiguousCache", "PagedCache", "LayerKV",
-    "PageAllocator", "OutOfPagesError",
+    "PageAllocator", "OutOfPagesError", "shard_model", "TensorParallel",
 ]

@@ -67,12 +67,17 @@ class ContiguousCache:
   lengths: jax.Array
 
   @classmethod
-  def create(cls, config: Qwen2Config, batch: int, capacity: int, dtype) -> ContiguousCache:
+  def create(cls, config: Qwen2Config, batch: int, capacity: int, dtype, *,
+             sharding=None) -> ContiguousCache:
+    """Zeros; `sharding` (a model's `tensor_parallel`, or None) splits them as the model's
+    heads are split (models/qwen2/parallel.py)."""
     shape = (batch, capacity, config.num_key_value_heads, config.head_dim)
     layers = range(config.num_hidden_layers)
-    return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
-               values=tuple(jnp.zeros(shape, dtype) for _ in layers),
-               lengths=jnp.zeros((batch,), jnp.int32))
+    kv_device = None if sharding is None else sharding.contiguous_kv(batch)
+    row_device = None if sharding is None else sharding.per_sequence(1, batch)
+    return cls(keys=tuple(jnp.zeros(shape, dtype, device=kv_device) for _ in layers),
+               values=tuple(jnp.zeros(shape, dtype, device=kv_device) for _ in layers),
+               lengths=jnp.zeros((batch,), jnp.int32, device=row_device))
 
   @property
   def capacity(self) -> int:
@@ -98,17 +103,21 @@ class PagedCache:
 
   @classmethod
   def create(cls, config: Qwen2Config, batch: int, capacity: int, dtype, *, page_size: int = 16,
-             num_pages: int | None = None) -> PagedCache:
+             num_pages: int | None = None, sharding=None) -> PagedCache:
     """A pool of `num_pages` pages (default: enough for every sequence at `capacity`)
-    and an all-zero block table of ceil(capacity / page_size) entries per sequence."""
+    and an all-zero block table of ceil(capacity / page_size) entries per sequence.
+    `sharding`: as for `ContiguousCache.create` (pools split over KV heads only)."""
     max_pages = math.ceil(capacity / page_size)
     num_pages = batch * max_pages if num_pages is None else num_pages
     shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
     layers = range(config.num_hidden_layers)
-    return cls(key_pages=tuple(jnp.zeros(shape, dtype) for _ in layers),
-               value_pages=tuple(jnp.zeros(shape, dtype) for _ in layers),
-               block_table=jnp.zeros((batch, max_pages), jnp.int32),
-               lengths=jnp.zeros((batch,), jnp.int32))
+    pool_device = None if sharding is None else sharding.kv_pages()
+    table_device = None if sharding is None else sharding.per_sequence(2, batch)
+    row_device = None if sharding is None else sharding.per_sequence(1, batch)
+    return cls(key_pages=tuple(jnp.zeros(shape, dtype, device=pool_device) for _ in layers),
+               value_pages=tuple(jnp.zeros(shape, dtype, device=pool_device) for _ in layers),
+               block_table=jnp.zeros((batch, max_pages), jnp.int32, device=table_device),
+               lengths=jnp.zeros((batch,), jnp.int32, device=row_device))
 
   @property
   def page_size(self) -> int:

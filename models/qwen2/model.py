@@ -23,6 +23,10 @@ class Qwen2ForCausalLM(nnx.Module):
   "xla" = jaxflash's plain-JAX path, "cudnn" = jax.nn's cuDNN attention.
   """
 
+  # Set by `models.qwen2.shard_model` (a TensorParallel: mesh and axes) on a model split
+  # over devices, so that its caches are made split to match; None on one device.
+  tensor_parallel = None
+
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
     self.config = config

@@ -165,6 +165,7 @@ class Sampler:
     self.page_size = page_size
     self.num_pages = num_pages
     self.attention_impl = resolve_attention_impl(model, attention_impl)
+    self.tensor_parallel = model.tensor_parallel  # None unless split by shard_model
     self.allocator: PageAllocator | None = None  # the last call's (for inspection)
 
   def capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
@@ -184,10 +185,20 @@ class Sampler:
                              sampling=sampling, attention_impl=self.attention_impl)
 
   def make_cache(self, batch: int, capacity: int):
+    """An empty cache; split over the model's mesh as its heads are, when it is sharded."""
     if self.cache_kind == "paged":
       return PagedCache.create(self.config, batch, capacity, self.cache_dtype,
-                               page_size=self.page_size, num_pages=self.num_pages)
-    return ContiguousCache.create(self.config, batch, capacity, self.cache_dtype)
+                               page_size=self.page_size, num_pages=self.num_pages,
+                               sharding=self.tensor_parallel)
+    return ContiguousCache.create(self.config, batch, capacity, self.cache_dtype,
+                                  sharding=self.tensor_parallel)
+
+  def to_device(self, rows) -> jax.Array:
+    """A host array with a leading batch dimension (tokens, lengths, a block table) on
+    the device; on a sharded model's mesh, split over its data axis (if any)."""
+    if self.tensor_parallel is None:
+      return jnp.asarray(rows)
+    return self.tensor_parallel.to_device(rows, len(rows))
 
   def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -227,7 +238,7 @@ class Sampler:
                                 cache.block_table.shape[1])
       for row in range(batch):
         allocator.reserve(row, int(lengths[row]))
-      cache = dataclasses.replace(cache, block_table=jnp.asarray(allocator.block_table))
+      cache = dataclasses.replace(cache, block_table=self.to_device(allocator.block_table))
       allocator.changed = False
     self.allocator = allocator
     key = jax.random.key(seed)
@@ -255,8 +266,8 @@ class Sampler:
           finish(row)
 
     start = time.perf_counter()
-    next_tokens, done, cache, key = self.prefill(jnp.asarray(tokens), jnp.asarray(lengths), cache,
-                                                 key, eos_ids, sampling)
+    next_tokens, done, cache, key = self.prefill(self.to_device(tokens), self.to_device(lengths),
+                                                 cache, key, eos_ids, sampling)
     consume(next_tokens)
     prefill_seconds = time.perf_counter() - start
 
@@ -271,7 +282,7 @@ class Sampler:
         for row in np.flatnonzero(~finished):
           allocator.reserve(row, int(positions[row]) + 1)
         if allocator.changed:
-          cache = dataclasses.replace(cache, block_table=jnp.asarray(allocator.block_table))
+          cache = dataclasses.replace(cache, block_table=self.to_device(allocator.block_table))
           allocator.changed = False
       next_tokens, done, cache, key = self.decode(next_tokens, done, cache, key, eos_ids, sampling)
       positions += 1

@@ -184,27 +184,44 @@ def load_weights(model: Qwen2ForCausalLM, files: dict[str, str], *, progress: bo
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
-                    attention_impl: str | None = None, progress: bool = False,
+                    attention_impl: str | None = None, progress: bool = False, mesh=None,
+                    model_axis: str = "model", data_axis: str | None = None,
                     **config_overrides) -> Qwen2ForCausalLM:
   """Loads a local Hugging Face Qwen2 / Qwen2.5 checkpoint directory (config.json and
   safetensors). `param_dtype` defaults to the checkpoint's dtype, `dtype` (computation)
-  to `param_dtype`; both accept names ("bfloat16", "float32") or dtypes."""
+  to `param_dtype`; both accept names ("bfloat16", "float32") or dtypes. With `mesh`, the
+  loaded model is then split tensor-parallel (`models.qwen2.shard_model`)."""
   config = Qwen2Config.from_pretrained(path, attention_impl=attention_impl, **config_overrides)
   checkpoint_dtype = config.torch_dtype or "float32"
   param_dtype = resolve_dtype(param_dtype, dtype if dtype is not None else checkpoint_dtype)
   dtype = resolve_dtype(dtype, param_dtype)
   abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype,
                                                      param_dtype=param_dtype))
-  return load_weights(abstract, checkpoint_files(path), progress=progress)
+  model = load_weights(abstract, checkpoint_files(path), progress=progress)
+  if mesh is None:
+    return model
+  from models.qwen2.parallel import shard_model
+  return shard_model(model, mesh, model_axis=model_axis, data_axis=data_axis)
 
 
-def random_model(config: Qwen2Config, seed: int = 0, dtype="float32", *,
-                 param_dtype=None) -> Qwen2ForCausalLM:
-  """A model with HF's random initialisation (normal(0.02) matrices, zero biases, unit norms)."""
+def random_model(config: Qwen2Config, seed: int = 0, dtype="float32", *, param_dtype=None,
+                 mesh=None, model_axis: str = "model", data_axis: str | None = None
+                 ) -> Qwen2ForCausalLM:
+  """A model with HF's random initialisation (normal(0.02) matrices, zero biases, unit norms).
+
+  With `mesh`: the same weights, drawn directly split tensor-parallel over
+  `mesh[model_axis]` (see models/qwen2/parallel.py), never whole on one device.
+  """
   dtype = resolve_dtype(dtype)
   param_dtype = resolve_dtype(param_dtype, dtype)
   def create():
     return Qwen2ForCausalLM(config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+  if mesh is not None:
+    from models.qwen2.parallel import TensorParallel, place
+    def arrays():
+      return {path: v[...] for path, v in nnx.to_flat_state(nnx.split(create())[1])}
+    return place(arrays, (), config, TensorParallel(mesh, model_axis, data_axis), dtype=dtype,
+                 param_dtype=param_dtype, attention_impl=config.attention_impl)
   graphdef, _ = nnx.split(nnx.eval_shape(create))
   # Drawn inside jit: on a GPU the weights are made there, never on the host.
   state = jax.jit(lambda: nnx.split(create())[1])()
