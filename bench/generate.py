@@ -239,7 +239,7 @@ def shape_key(shape: Shape) -> str:
 def hf_worker(args) -> None:
   """`--hf-worker FILE`: the Hugging Face rows, written to FILE as JSON (a separate process)."""
   config, shapes, dtype = plan(args)
-  budget = Budget(args.budget_s)
+  budget = common.Budget(args.budget_s)
   result: dict = {"rows": {}, "note": None}
   device = torch_device(args.smoke)
   if device is None:
@@ -259,7 +259,7 @@ def hf_worker(args) -> None:
   Path(args.hf_worker).write_text(json.dumps(result))
 
 
-def run_hf_worker(args, budget: "Budget") -> tuple[dict, str | None]:
+def run_hf_worker(args, budget: common.Budget) -> tuple[dict, str | None]:
   """Runs this script with --hf-worker in a subprocess; -> ({shape key: row}, note)."""
   if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
     return {}, "Hugging Face row skipped: torch or transformers is not installed"
@@ -275,19 +275,6 @@ def run_hf_worker(args, budget: "Budget") -> tuple[dict, str | None]:
     except (subprocess.SubprocessError, OSError, ValueError) as e:
       return {}, f"Hugging Face worker failed: {common.error_text(e)}"
   return result["rows"], result["note"]
-
-
-class Budget:
-  """Rows past the time budget are skipped (and say so), so results are always written."""
-
-  def __init__(self, seconds: float):
-    self.start, self.seconds = time.perf_counter(), seconds
-
-  def elapsed(self) -> float:
-    return time.perf_counter() - self.start
-
-  def exhausted(self) -> bool:
-    return self.elapsed() > self.seconds
 
 
 def parse_args(argv=None):
@@ -330,7 +317,7 @@ def main(argv=None):
   args = parse_args(argv)
   if args.hf_worker:
     return hf_worker(args)
-  budget = Budget(args.budget_s)
+  budget = common.Budget(args.budget_s)
   from models import qwen2
 
   wanted = {s.strip() for s in args.impls.split(",") if s.strip()}

@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jaxflash import _checks, sharding
 from jaxflash.reference import attention_reference, gather_pages
