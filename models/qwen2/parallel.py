@@ -33,7 +33,9 @@ split neither way (N or the MLP width not divisible by d; K and d not multiples 
 another) raise a ValueError.
 
 `data_axis` (optional) splits the batch of the caches and of the per-sequence inputs the
-sampler places; the weights stay replicated over it.
+sampler places; the weights stay replicated over it. XLA then gathers each step's new keys
+and values (one token a sequence, small) over the data axis for the cache writes: a page
+pool is not split by batch, and XLA does not see the contiguous write as per-row.
 
 On one device nothing here runs: an unsharded model is the single-device program.
 """
@@ -194,8 +196,16 @@ def shard_model(model: Qwen2ForCausalLM, mesh: Mesh, *, model_axis: str = "model
   `Sampler` make its caches split to match.
   """
   tp = TensorParallel(mesh, model_axis, data_axis)
+  repeats = tensor_parallel_config(model.config, tp.degree).num_key_value_heads
+  repeats //= model.config.num_key_value_heads
   _, state = nnx.split(model)
-  paths, values = zip(*((path, variable[...]) for path, variable in nnx.to_flat_state(state)))
+  specs = partition_specs(state, model.config, model_axis, tp.degree)
+  # Each array moves to the mesh already split as it will be (KV projections to repeat:
+  # replicated, they are small); the jit then only repeats heads and casts.
+  paths, values = zip(*(
+      (path, jax.device_put(variable[...], tp.named(
+          *(P() if repeats > 1 and path[-2] in _KV_PROJECTIONS else specs[path]))))
+      for path, variable in nnx.to_flat_state(state)))
   # The arrays enter the jit as arguments: closed over, they would be baked into the program.
   return place(lambda *arrays: dict(zip(paths, arrays)), values, model.config, tp,
                dtype=model.dtype, param_dtype=model.embedder.embedding.dtype,
