@@ -305,8 +305,9 @@ def merge_earlier(path: Path, rows: list, notes: list, meta: dict):
   for r in rows:
     r["run"] = meta.get("date")
   if kept:
-    notes = notes + [f"{len(kept)} rows come from the run of {date} (same script, same GPU kind); "
-                     f"the other {len(rows)} from this run of {meta.get('date')}."]
+    notes = notes + [f"{len(kept)} rows come from the run of {date} (same script, on an H200 "
+                     f"too, with its own ceiling and floor per row); the other {len(rows)} from "
+                     f"this run of {meta.get('date')}."]
     notes += [n for n in earlier.get("notes", []) if "skipped (time budget)" not in n]
   rank = {label: i for i, (label, *_) in enumerate(IMPLS)}
   merged = sorted(kept + rows, key=lambda r: (r["prompt"], r["batch"], rank.get(r["impl"], len(rank))))

@@ -40,8 +40,10 @@ WANT_SPECS = {
     "embedder/embedding": [],
     "lm_head/kernel": [None, "model"],
 }
-COLLECTIVE = re.compile(r"=\s*(\S+)\s+(all-gather|all-to-all|collective-permute|all-reduce|"
-                        r"reduce-scatter)(?:-start)?\(")
+# The result type is an array type, or a tuple of them where XLA combined several collectives
+# into one (GPU compilers do) or made one asynchronous (`*-start`).
+COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(all-gather|all-to-all|collective-permute|"
+                        r"all-reduce|reduce-scatter)(?:-start)?\(")
 
 
 def config():
@@ -89,13 +91,14 @@ def _forward(model, ids):
 
 
 def _collectives(hlo: str) -> list[dict]:
-  """Each collective of a compiled program: kind and result shape."""
+  """Each collective of a compiled program: kind, the shape of its (first) result and the
+  shapes of all its results (several when XLA combined collectives into one)."""
   found = []
   for match in COLLECTIVE.finditer(hlo):
     shape_text, kind = match.groups()
-    dims = re.search(r"\[([\d,]*)\]", shape_text)
-    shape = [int(d) for d in dims.group(1).split(",") if d] if dims else []
-    found.append(dict(kind=kind, shape=shape, text=shape_text))
+    shapes = [[int(d) for d in dims.split(",") if d]
+              for dims in re.findall(r"\[([\d,]*)\]", shape_text)]
+    found.append(dict(kind=kind, shape=shapes[0] if shapes else [], shapes=shapes, text=shape_text))
   return found
 
 
