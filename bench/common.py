@@ -688,6 +688,21 @@ def ceilings(matmul_n: int = 8192, hbm_gib: float = 4.0) -> dict:
   return out
 
 
+def begin_run(name: str, args, *, matmul_n: int, hbm_gib: float) -> tuple[dict, Path]:
+  """The start every kernel benchmark shares: its metadata (GPU, versions, date, the
+  ceilings measured now, the timing method) and its output folder (a fresh /tmp folder for
+  a --smoke run)."""
+  out_dir = smoke_out_dir(name) if args.smoke else Path(args.out or DEFAULT_OUT)
+  meta = env_metadata()
+  log(f"{name} benchmark on {meta['device']} ({meta['backend']}), jax {meta['versions'].get('jax')}")
+  meta["ceilings"] = ceilings(matmul_n=matmul_n, hbm_gib=hbm_gib)
+  log(f"ceilings: {meta['ceilings']}")
+  meta.update(timing=("device time: sum of the GPU kernels one call launches (jax.profiler trace)"
+                      if has_gpu() else WALL_NO_GPU),
+              smoke=args.smoke, quick=args.quick)
+  return meta, out_dir
+
+
 def highest_precision():
   """Context for full-precision float32 matmuls (references): XLA otherwise may use TF32."""
   ctx = getattr(jax, "default_matmul_precision", None)

@@ -336,13 +336,8 @@ def main(argv=None):
     paged_configs = list(itertools.product(*PAGED_SWEEP.values()))
     min_bytes, max_sites = int(args.min_mib * MIB), args.max_sites
     ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
-  out_dir = common.smoke_out_dir("decode") if args.smoke else (args.out or common.DEFAULT_OUT)
-
-  meta = common.env_metadata()
-  log(f"decode benchmark on {meta['device']} ({meta['backend']}), jax {meta['versions'].get('jax')}")
-  meta["ceilings"] = common.ceilings(**ceiling_args)
+  meta, out_dir = common.begin_run("decode", args, **ceiling_args)
   ceiling = meta["ceilings"].get("hbm_read_gbs")
-  log(f"ceilings: {meta['ceilings']}")
   meta.update(
       title="Decode attention: GB/s of K+V read on device time",
       shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
@@ -350,10 +345,7 @@ def main(argv=None):
       method=(f"one compiled call over L layers, each with its own cache, >= {min_bytes / MIB:.0f} MiB in all "
               f"(at most {max_sites} layers per call, rotating between argument sets beyond); "
               "time per attention = device time / layers per call"),
-      bytes="K + V read: valid length x KV heads x head dim x 2 bytes x 2",
-      timing=("device time: sum of the GPU kernels one call launches (jax.profiler trace)"
-              if common.has_gpu() else common.WALL_NO_GPU),
-      smoke=args.smoke, quick=args.quick)
+      bytes="K + V read: valid length x KV heads x head dim x 2 bytes x 2")
   meta["notes_header"] = [
       f"GB/s of K+V read per call (% of the HBM read ceiling above). Caches >= {min_bytes / MIB:.0f} MiB "
       "per row (L layers, each its own cache) so every read is cold.",

@@ -256,21 +256,13 @@ def main(argv=None):
     acc_n, sweep_n = 4096, 8192
     grid = {"block_q": [64, 128], "block_k": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
     ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
-  out_dir = common.smoke_out_dir("prefill") if args.smoke else (args.out or common.DEFAULT_OUT)
-
-  meta = common.env_metadata()
-  log(f"prefill benchmark on {meta['device']} ({meta['backend']}), jax {meta['versions'].get('jax')}")
-  meta["ceilings"] = common.ceilings(**ceiling_args)
+  meta, out_dir = common.begin_run("prefill", args, **ceiling_args)
   ceiling = meta["ceilings"].get("matmul_tflops")
-  log(f"ceilings: {meta['ceilings']}")
   meta.update(
       title="Causal prefill: TFLOP/s on device time",
       shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
                   causal=True),
-      flops="FlashAttention-2 convention: 4 n^2 d per head, halved for causal",
-      timing=("device time: sum of the GPU kernels one call launches (jax.profiler trace)"
-              if common.has_gpu() else common.WALL_NO_GPU),
-      smoke=args.smoke, quick=args.quick)
+      flops="FlashAttention-2 convention: 4 n^2 d per head, halved for causal")
   meta["notes_header"] = [
       "TFLOP/s by the FlashAttention-2 count (4·n²·d per head, halved for causal), with the % of "
       "the bf16 matmul ceiling above.",
