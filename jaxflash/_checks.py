@@ -39,6 +39,13 @@ def check_qkv(query, key, value, *, key_name: str = "key", value_name: str = "va
                      f"{tuple(query.shape)}, {key_name} {tuple(key.shape)}")
 
 
+def check_same_batch(query, key, key_name: str = "key") -> None:
+  """query [B, T, N, H] and key [B, S, K, H] must agree on B."""
+  if key.shape[0] != query.shape[0]:
+    raise ValueError(f"query and {key_name} must have the same batch size, got query "
+                     f"{tuple(query.shape)} and {key_name} {tuple(key.shape)}")
+
+
 def check_lengths(name: str, lengths, batch: int):
   """lengths: integer [batch]; returned as int32 (None stays None)."""
   if lengths is None:

@@ -76,9 +76,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
       kernel = functools.partial(paged_decode_attention, scale=scale, return_residual=True)
       result = sharding.paged(kernel, query, key, value, kv_lengths, block_table)
       return _finish(result, return_residual, unbatched)
-  elif key.shape[0] != batch:
-    raise ValueError(f"query and key must have the same batch size, got query {tuple(query.shape)} "
-                     f"and key {tuple(key.shape)}")
+  else:
+    _checks.check_same_batch(query, key)
 
   if implementation == "xla":
     result = attention_reference(query, key, value, scale=scale, is_causal=is_causal,

@@ -203,9 +203,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   _checks.check_qkv(query, key, value)
   batch, seq_q, num_heads, head_dim = query.shape
   seq_kv, num_kv_heads = key.shape[1], key.shape[2]
-  if key.shape[0] != batch:
-    raise ValueError(f"query and key must have the same batch size, got query "
-                     f"{tuple(query.shape)} and key {tuple(key.shape)}")
+  _checks.check_same_batch(query, key)
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   scale = _checks.default_scale(scale, head_dim)
