@@ -369,6 +369,8 @@ def main(argv=None):
   for row in rows:
     if row.get("floor_ms") and row.get("decode_ms_step"):
       row["floor_pct"] = 100 * row["floor_ms"] / row["decode_ms_step"]
+    if row.get("floor_ms") and row.get("pipelined_ms_step"):
+      row["pipelined_over_floor"] = row["pipelined_ms_step"] / row["floor_ms"]
     row["case"] = f"B={row['batch']} prompt {row['prompt']} {row['impl']}"
 
   meta.update(
@@ -388,6 +390,7 @@ def main(argv=None):
              ("tokens_per_s", "tokens/s"), ("pipelined_ms_step", "pipelined ms/step"),
              ("step_device_ms", "step device ms"), ("kernels_per_step", "kernels/step", "{:.0f}"),
              ("floor_ms", "floor ms/step"), ("floor_pct", "% of floor", "{:.0f}"),
+             ("pipelined_over_floor", "pipelined / floor", "{:.2f}"),
              ("compile_s", "compile s"), ("error", "error")]
   plot = dict(kind="bar", x="case", y="decode_ms_step", logy=True,
               ylabel="decode ms/step (wall, median; log scale)",

@@ -3,6 +3,7 @@ from jaxflash.attention import attention
 from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_splits, prefill_config
 from jaxflash.decode import decode_attention
 from jaxflash.device import DeviceInfo, device_info
+from jaxflash.linear import LinearConfig, skinny_matmul
 from jaxflash.paged import gather_pages, paged_decode_attention, paged_kv_write
 from jaxflash.prefill import prefill_attention
 from jaxflash.reference import attention_reference
@@ -11,5 +12,6 @@ __all__ = [
     "attention", "prefill_attention", "decode_attention", "paged_decode_attention",
     "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
+    "skinny_matmul", "LinearConfig",
 ]
 __version__ = "0.1.0"

@@ -26,9 +26,10 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(config.hidden_size, config.intermediate_size, **kinds)
 
   def __call__(self, x: jax.Array, rope, lengths, kv: LayerKV | None = None, *,
-               attention_impl: str | None = None) -> tuple[jax.Array, LayerKV | None]:
+               attention_impl: str | None = None, skinny: bool = False
+               ) -> tuple[jax.Array, LayerKV | None]:
     attended, kv = self.attention(self.pre_attention_norm(x), rope, lengths, kv,
-                                  attention_impl=attention_impl)
+                                  attention_impl=attention_impl, skinny=skinny)
     x = x + attended
-    x = x + self.mlp(self.pre_mlp_norm(x))
+    x = x + self.mlp(self.pre_mlp_norm(x), skinny=skinny)
     return x, kv

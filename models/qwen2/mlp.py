@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.qwen2.initializers import dense_init
+from models.qwen2.linear import project
 
 
 class MLP(nnx.Module):
@@ -18,6 +19,9 @@ class MLP(nnx.Module):
     self.up_proj = nnx.Linear(hidden_size, intermediate_size, **dense)
     self.down_proj = nnx.Linear(intermediate_size, hidden_size, **dense)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, *, skinny: bool = False) -> jax.Array:
+    """`skinny`: decode-sized inputs go through jaxflash.skinny_matmul (models/qwen2/linear.py)."""
     with jax.named_scope("mlp"):
-      return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+      hidden = (jax.nn.silu(project(self.gate_proj, x, skinny=skinny)) *
+                project(self.up_proj, x, skinny=skinny))
+      return project(self.down_proj, hidden, skinny=skinny)

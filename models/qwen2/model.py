@@ -26,6 +26,9 @@ class Qwen2ForCausalLM(nnx.Module):
   # Set by `models.qwen2.shard_model` (a TensorParallel: mesh and axes) on a model split
   # over devices, so that its caches are made split to match; None on one device.
   tensor_parallel = None
+  # Decode steps (at most 16 rows) multiply by the weights through jaxflash.skinny_matmul,
+  # on one device (models/qwen2/linear.py); False: XLA's dots everywhere.
+  skinny_decode = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
@@ -74,11 +77,13 @@ class Qwen2ForCausalLM(nnx.Module):
     with jax.named_scope("embed"):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
+    # The skinny kernel has no partitioning rule: a model split over devices keeps XLA's dots.
+    skinny = self.skinny_decode and self.tensor_parallel is None
     layer_caches = []
     for index, layer in enumerate(self.layers):
       with jax.named_scope(f"layer_{index}"):
         kv = None if cache is None else cache.layer(index)
-        x, kv = layer(x, rope, lengths, kv, attention_impl=impl)
+        x, kv = layer(x, rope, lengths, kv, attention_impl=impl, skinny=skinny)
         layer_caches.append(kv)
     with jax.named_scope("final_norm"):
       x = self.final_norm(x)

@@ -1,0 +1,195 @@
+"""Where a decode step's time goes: one Qwen2.5 decode step under the profiler, its GPU
+kernels grouped by what launched them (the model's named scopes), next to the wall time.
+
+Also measures the GEMV rate of XLA's matmuls at the model's projection shapes (batch 1,
+bf16, every weight read cold), the ceiling a batch-1 decode step is made of.
+
+  python bench/profile_step.py [--model 1.5b] [--batch 1] [--prompt 1024] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.common import log  # noqa: E402
+
+_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
+
+
+def op_scopes(hlo_text: str) -> dict:
+  """HLO instruction name -> its op_name metadata (the JAX named-scope path)."""
+  scopes = {}
+  for line in hlo_text.splitlines():
+    m = _OP_NAME.match(line)
+    if m:
+      scopes[m.group(1)] = m.group(2)
+  return scopes
+
+
+def scope_of(op_name: str) -> str:
+  """'jit(decode)/decode/layer_3/attention/qkv_projection/dot_general' -> 'attention/qkv_projection'."""
+  parts = [p for p in op_name.split("/") if not p.startswith(("jit(", "pjit", "decode"))]
+  parts = ["layer" if re.fullmatch(r"layer_\d+", p) else p for p in parts]
+  if parts and parts[0] == "layer":
+    parts = parts[1:3]
+  else:
+    parts = parts[:2]
+  return "/".join(parts) or "?"
+
+
+def gemv_rates(hidden: int, intermediate: int, q_out: int, kv_out: int, copies: int,
+               rows: int = 1) -> list[dict]:
+  """Batch-1 x @ W for the model's weight shapes, `copies` distinct weights per call (cold)."""
+  shapes = {"q": (hidden, q_out), "k or v": (hidden, kv_out), "qkv fused": (hidden, q_out + 2 * kv_out),
+            "o": (q_out, hidden), "gate or up": (hidden, intermediate),
+            "gate+up fused": (hidden, 2 * intermediate), "down": (intermediate, hidden)}
+  cases, nbytes = {}, {}
+  for name, (k, n) in shapes.items():
+    ws = [jax.random.normal(jax.random.key(i), (k, n), jnp.bfloat16) for i in range(copies)]
+    x = jnp.ones((rows, k), jnp.bfloat16)
+    cases[name] = (lambda x, ws: [x @ w for w in ws], (x, ws))
+    nbytes[name] = k * n * 2
+  timings = common.device_times_us(cases, max_iters=20, log=log)
+  out = []
+  for name, t in timings.items():
+    if isinstance(t, common.Timing):
+      us = t.us / copies
+      out.append(dict(weight=name, rows=rows, shape=shapes[name], us=us,
+                      gbs=nbytes[name] / us / 1e3, kernels=list(t.kernels)[:3]))
+    else:
+      out.append(dict(weight=name, rows=rows, error=t["error"]))
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="1.5b", choices=("0.5b", "1.5b", "7b", "tiny"))
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--prompt", type=int, default=1024)
+  parser.add_argument("--impl", default="jaxflash")
+  parser.add_argument("--cache", default="contiguous")
+  parser.add_argument("--steps", type=int, default=40)
+  parser.add_argument("--gemv-rows", default="1", help="comma-separated batch rows for the GEMV rates")
+  parser.add_argument("--no-gemv", action="store_true")
+  parser.add_argument("--out", type=Path, default=None)
+  args = parser.parse_args(argv)
+  from models import qwen2
+  from models.qwen2 import Sampler, SamplingParams
+
+  config = {"0.5b": qwen2.Qwen2Config.qwen2_5_0_5b, "1.5b": qwen2.Qwen2Config.qwen2_5_1_5b,
+            "7b": qwen2.Qwen2Config.qwen2_5_7b, "tiny": qwen2.Qwen2Config.tiny}[args.model]()
+  report = {"meta": common.env_metadata(), "args": vars(args) | {"out": str(args.out)}}
+  if not args.no_gemv:
+    rows = [r for m in args.gemv_rows.split(",") for r in gemv_rates(
+        config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim, config.num_hidden_layers, rows=int(m))]
+    report["gemv"] = rows
+    for r in rows:
+      log(f"gemv M={r['rows']} {r['weight']:14s} {r.get('us', 0):7.2f} us {r.get('gbs', 0):7.0f} GB/s "
+          f"{r.get('kernels', r.get('error'))}")
+    common.free_memory()
+
+  dtype = "bfloat16" if common.has_gpu() else "float32"
+  model = qwen2.random_model(config, seed=0, dtype=dtype)
+  impl = None if args.impl == "jaxflash" else args.impl
+  sampler = Sampler(model, cache=args.cache, attention_impl=impl)
+  prompts = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.prompt), np.int32)
+  capacity = sampler.capacity(args.prompt, args.steps + 16)
+  cache = sampler.make_cache(args.batch, capacity)
+  if args.cache == "paged":
+    from models.qwen2 import PageAllocator
+    allocator = PageAllocator(cache.num_pages, sampler.page_size, args.batch, cache.block_table.shape[1])
+    for row in range(args.batch):
+      allocator.reserve(row, args.prompt + args.steps + 16)
+    cache = dataclasses.replace(cache, block_table=jnp.asarray(allocator.block_table))
+  greedy, eos = SamplingParams(), jnp.asarray([-1], jnp.int32)
+  lengths = jnp.full((args.batch,), args.prompt, jnp.int32)
+  state = list(sampler.prefill(jnp.asarray(prompts), lengths, cache, jax.random.key(0), eos, greedy))
+  jax.block_until_ready(state)
+
+  def step():
+    state[:] = sampler.decode(*state, eos, greedy)
+
+  step()
+  jax.block_until_ready(state)
+  blocked = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    step()
+    jax.block_until_ready(state[0])
+    blocked.append((time.perf_counter() - t0) * 1e3)
+  n = args.steps // 2
+  t0 = time.perf_counter()
+  for _ in range(n):
+    step()
+  jax.block_until_ready(state[0])
+  pipelined = (time.perf_counter() - t0) * 1e3 / n
+  t0 = time.perf_counter()
+  for _ in range(n):
+    step()
+  dispatch = (time.perf_counter() - t0) * 1e3 / n  # host time to enqueue (if not throttled)
+  jax.block_until_ready(state[0])
+
+  profiled = 5
+  trace = common._profile(lambda: [step() for _ in range(profiled)] and jax.block_until_ready(state[0]))
+  events = common.gpu_kernel_events(trace) if trace else []
+  hlo = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=greedy,
+                                   attention_impl=sampler.attention_impl).compile().as_text()
+  scopes = op_scopes(hlo)
+  by_scope = collections.defaultdict(lambda: [0.0, 0])
+  by_kernel = collections.defaultdict(lambda: [0.0, 0])
+  for e in events:
+    op = str(e.get("args", {}).get("hlo_op", ""))
+    scope = scope_of(scopes.get(op, op))
+    by_scope[scope][0] += float(e["dur"]) / profiled
+    by_scope[scope][1] += 1 / profiled
+    by_kernel[e["name"][:90]][0] += float(e["dur"]) / profiled
+    by_kernel[e["name"][:90]][1] += 1 / profiled
+  span = ((float(events[-1]["ts"]) + float(events[-1]["dur"]) - float(events[0]["ts"])) / profiled
+          if events else None)
+  total = sum(v[0] for v in by_scope.values())
+  summary = dict(blocked_ms=float(np.median(blocked)), pipelined_ms=pipelined, dispatch_ms=dispatch,
+                 device_ms=total / 1e3, span_ms=span / 1e3 if span else None,
+                 kernels=sum(v[1] for v in by_scope.values()))
+  # The host cost of dispatching a jitted call with as many arguments, doing nothing.
+  trivial = jax.jit(lambda *a: a[0] + 1)
+  many = [jnp.ones((4,), jnp.float32) for _ in range(len(sampler.params) + 64)]
+  trivial(*many).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(50):
+    trivial(*many)
+  summary["trivial_dispatch_ms"] = (time.perf_counter() - t0) * 1e3 / 50
+  report["step"] = summary
+  report["by_scope"] = {k: {"us": v[0], "kernels": v[1]} for k, v in
+                        sorted(by_scope.items(), key=lambda kv: -kv[1][0])}
+  report["by_kernel"] = {k: {"us": v[0], "kernels": v[1]} for k, v in
+                         sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:60]}
+  if args.out:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"profile_step_{args.model}_b{args.batch}_{args.prompt}_{args.impl}_{args.cache}.json"
+     ).write_text(json.dumps(report, indent=1, default=str))
+    (args.out / "decode_step.hlo.txt").write_text(hlo)
+  log(f"step: {summary}")
+  log(f"{'scope':50s} {'us/step':>9s} {'kernels':>8s}")
+  for k, v in list(report["by_scope"].items())[:25]:
+    log(f"{k[:50]:50s} {v['us']:9.1f} {v['kernels']:8.1f}")
+  log(f"{'kernel':90s} {'us/step':>9s} {'n':>5s}")
+  for k, v in list(report["by_kernel"].items())[:25]:
+    log(f"{k:90s} {v['us']:9.1f} {v['kernels']:5.1f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,147 @@
+"""Skinny matmul for decode steps: x [M, K] @ w [K, N] with at most 16 rows, w read once.
+
+A decode step multiplies one token per sequence by every weight matrix, so M is the batch
+and the product is bound by reading w, as decode attention is bound by reading the cache.
+XLA (0.10-0.11) rewrites the smaller of these products (M * N * K under ~10M: a 1.5B
+model's q, k, v and o projections at batch 1) into a broadcast multiply that writes a
+[K, N] temporary, then a separate reduction: w's bytes cross HBM three times. Here one
+program per (column block, K chunk) streams its [K chunk, block_n] slab of w through
+the tensor cores (x's rows padded to the 16 that `tl.dot` needs) with fp32 accumulation.
+When N is narrow, K is cut into chunks so that every SM has a slab to read; the chunks'
+fp32 partial sums are added by an XLA reduction that fuses into whatever consumes the
+product (a bias add, a residual add), so it costs no launch of its own there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash import device as device_lib
+from jaxflash._triton import CompilerParams, dot, load, pl, quiet, store, use_interpret
+
+MAX_ROWS = 16  # tl.dot's minimum M: x's rows are padded to it, so 16 rows cost what 1 does
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+  """Tiles of the skinny matmul: `block_n` output columns per program, `block_k` rows of
+  w per pipeline step; `num_splits` K chunks (None: enough programs to fill the GPU)."""
+
+  block_n: int = 128
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 4
+  num_splits: int | None = None
+
+
+def _skinny_kernel(x_ref, w_ref, o_ref, *, rows: int, k_size: int, n_size: int, block_n: int,
+                   block_k: int, chunk_tiles: int, partial: bool, precision):
+  """Program (j, s): output columns j*block_n.. over K tiles s*chunk_tiles.. .
+
+  x_ref [M, K]; w_ref [K, N]; o_ref [M, N] (one chunk) or [splits, M, N] fp32 partials.
+  """
+  j, s = pl.program_id(0), pl.program_id(1)
+  row_ok = jnp.arange(MAX_ROWS) < rows
+  cols = j * block_n + jnp.arange(block_n)
+  col_ok = None if n_size % block_n == 0 else cols < n_size  # static: no mask when N divides
+  first = s * chunk_tiles * block_k
+  end = jnp.minimum(first + chunk_tiles * block_k, k_size)
+  num_full = lax.div(end - first, block_k)
+  num_tiles = lax.div(end - first + block_k - 1, block_k)
+
+  def body(i, acc, *, masked: bool):
+    k0 = first + i * block_k
+    k_ok = (k0 + jnp.arange(block_k)) < k_size if masked else None
+    x_mask = row_ok[:, None] if k_ok is None else row_ok[:, None] & k_ok[None, :]
+    x = load(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)], mask=x_mask, other=0.0)
+    w_mask = _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :])
+    w = load(w_ref.at[pl.ds(k0, block_k), pl.ds(j * block_n, block_n)], mask=w_mask,
+             other=None if w_mask is None else 0.0)
+    return acc + dot(x.astype(w.dtype), w, precision=precision)  # [16, block_n] f32
+
+  # Whole tiles unmasked; only the last tile of K, if ragged, pays for masks.
+  acc = jnp.zeros((MAX_ROWS, block_n), jnp.float32)
+  acc = lax.fori_loop(0, num_full, functools.partial(body, masked=False), acc)
+  acc = lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), acc)
+  out_mask = _and(row_ok[:, None], None if col_ok is None else col_ok[None, :])
+  columns = pl.ds(j * block_n, block_n)
+  if partial:
+    store(o_ref.at[s, pl.ds(0, MAX_ROWS), columns], acc, mask=out_mask)
+  else:
+    store(o_ref.at[pl.ds(0, MAX_ROWS), columns], acc.astype(o_ref.dtype), mask=out_mask)
+
+
+def _and(a, b):
+  if a is None:
+    return b
+  return a if b is None else a & b
+
+
+def k_chunks(config: LinearConfig, n_size: int, k_size: int, num_sms: int) -> tuple[int, int]:
+  """(K tiles per chunk, chunks): with None splits, as many chunks as keep every SM busy
+  (column blocks x chunks <= SMs) and no more than there are K tiles."""
+  n_blocks = pl.cdiv(n_size, config.block_n)
+  k_tiles = pl.cdiv(k_size, config.block_k)
+  wanted = config.num_splits if config.num_splits is not None else num_sms // n_blocks
+  chunk_tiles = pl.cdiv(k_tiles, max(1, min(wanted, k_tiles)))
+  return chunk_tiles, pl.cdiv(k_tiles, chunk_tiles)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def skinny_matmul(x, w, *, config: LinearConfig | None = None, interpret: bool | None = None):
+  """x [..., K] with at most 16 rows in all (the leading dims' product) @ w [K, N] -> [..., N].
+
+  The product is computed in w's dtype on the tensor cores with fp32 accumulation (fp32
+  inputs multiply at full precision) and returned in the promoted dtype of x and w.
+  config: tiles and K chunks (default `LinearConfig()`); interpret: Pallas interpret
+  mode (default: when no GPU).
+  """
+  if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"skinny_matmul takes x [..., K] and w [K, N], got x {tuple(x.shape)} "
+                     f"and w {tuple(w.shape)}")
+  for name, a in (("x", x), ("w", w)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise TypeError(f"skinny_matmul needs floating-point {name}, got {name} {a.dtype}")
+  rows = math.prod(x.shape[:-1])
+  if rows > MAX_ROWS:
+    raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows of x, got x {tuple(x.shape)} "
+                     f"({rows} rows): use jnp.dot for larger batches")
+  config = config or LinearConfig()
+  if not isinstance(config, LinearConfig):
+    raise TypeError(f"config must be a jaxflash.LinearConfig, got {type(config).__name__}")
+  k_size, n_size = w.shape
+  out_dtype = jnp.result_type(x.dtype, w.dtype)
+  if rows == 0 or k_size == 0 or n_size == 0:
+    return jnp.zeros((*x.shape[:-1], n_size), out_dtype)
+  chunk_tiles, splits = k_chunks(config, n_size, k_size, device_lib.device_info().sm_count)
+  partial = splits > 1
+  out_shape = (splits, rows, n_size) if partial else (rows, n_size)
+  fp32 = jnp.dtype(w.dtype) == jnp.float32
+  kernel = functools.partial(
+      _skinny_kernel, rows=rows, k_size=k_size, n_size=n_size, block_n=config.block_n,
+      block_k=config.block_k, chunk_tiles=chunk_tiles, partial=partial,
+      precision=lax.Precision.HIGHEST if fp32 else None)
+  with quiet():
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n_size, config.block_n), splits),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if partial else out_dtype),
+        compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=use_interpret(interpret),
+        name="jaxflash_skinny_matmul",
+    )(x.reshape(rows, k_size), w)
+  if partial:
+    out = out.sum(axis=0).astype(out_dtype)  # fuses into the consumer's elementwise kernel
+  return out.reshape(*x.shape[:-1], n_size)
+
+
+def skinny_matmul_reference(x, w):
+  """x @ w in plain JAX with fp32 accumulation, for checking."""
+  out_dtype = jnp.result_type(x.dtype, w.dtype)
+  return jnp.matmul(x, w, preferred_element_type=jnp.float32,
+                    precision=lax.Precision.HIGHEST).astype(out_dtype)

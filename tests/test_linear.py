@@ -1,0 +1,81 @@
+"""Skinny matmul (jaxflash/linear.py) against a float64 product.
+
+Shapes cover ragged K and N (masked last tiles), 1..16 rows, several K chunks (fp32
+partials summed outside the kernel) and one chunk (the kernel writes the result itself).
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash.linear import LinearConfig, k_chunks, skinny_matmul, skinny_matmul_reference
+from tests.conftest import assert_close, poison_allocator, random_array
+
+BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+# (x shape, N, dtype, config)
+CASES = {
+    "one_row_bf16_default": ((1, 256), 384, BF16, None),
+    "decode_batch_3d_fp16": ((3, 1, 200), 100, FP16, LinearConfig(block_n=32, block_k=64, num_splits=2)),
+    "sixteen_rows_fp32_one_chunk": ((16, 96), 80, FP32, LinearConfig(block_n=64, block_k=32, num_splits=1)),
+    "ragged_k_many_chunks_bf16": ((5, 130), 48, BF16, LinearConfig(block_n=16, block_k=16, num_splits=4)),
+    "splits_past_tiles_fp32": ((2, 40), 24, FP32, LinearConfig(block_n=16, block_k=16, num_splits=9)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_skinny_matmul_matches_reference(case, interpret, rng):
+  x_shape, n, dtype, config = CASES[case]
+  x = random_array(rng, x_shape, dtype)
+  w = random_array(rng, (x_shape[-1], n), dtype, scale=0.1)
+  if not interpret:
+    poison_allocator(jax.ShapeDtypeStruct((*x_shape[:-1], n), dtype))
+  out = skinny_matmul(x, w, config=config, interpret=interpret)
+  chex.assert_shape(out, (*x_shape[:-1], n))
+  chex.assert_type(out, dtype)
+  expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  assert_close(out, expected, dtype)
+  assert_close(skinny_matmul_reference(x, w), expected, dtype, what="reference")
+
+
+def test_mixed_dtypes_promote(interpret, rng):
+  """fp32 activations times bf16 weights: computed in bf16, returned in fp32 (promotion)."""
+  x = random_array(rng, (2, 64), FP32)
+  w = random_array(rng, (64, 32), BF16, scale=0.1)
+  out = skinny_matmul(x, w, config=LinearConfig(block_n=16, block_k=16), interpret=interpret)
+  chex.assert_type(out, FP32)
+  expected = np.asarray(x.astype(BF16), np.float64) @ np.asarray(w, np.float64)
+  assert_close(out, expected, BF16)
+
+
+def test_chunking_fills_the_gpu():
+  """Narrow N gets K chunks until column blocks x chunks reach the SM count; chunks hold
+  whole tiles and never outnumber them."""
+  config = LinearConfig(block_n=128, block_k=64)
+  assert k_chunks(config, 1536, 1536, 132) == (3, 8)  # 12 blocks x 8 chunks of 3 tiles <= 132
+  assert k_chunks(config, 17920, 1536, 132) == (24, 1)  # 140 column blocks: one chunk
+  assert k_chunks(config, 64, 100, 132) == (1, 2)  # only 2 tiles of K
+  assert k_chunks(LinearConfig(num_splits=3), 1536, 1536, 132) == (8, 3)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,error,match", [
+    ((17, 64), (64, 32), ValueError, r"at most 16 rows.*\(17, 64\)"),
+    ((2, 64), (48, 32), ValueError, r"x \[\.\.\., K\] and w \[K, N\].*\(2, 64\).*\(48, 32\)"),
+    ((2, 64), (64,), ValueError, r"w \[K, N\]"),
+])
+def test_bad_shapes_are_refused(x_shape, w_shape, error, match):
+  with pytest.raises(error, match=match):
+    skinny_matmul(jnp.zeros(x_shape, FP32), jnp.zeros(w_shape, FP32))
+
+
+def test_integer_inputs_are_refused():
+  with pytest.raises(TypeError, match="floating-point x"):
+    skinny_matmul(jnp.zeros((2, 8), jnp.int32), jnp.zeros((8, 4), FP32))
+
+
+def test_public_name():
+  assert jaxflash.skinny_matmul is skinny_matmul and jaxflash.LinearConfig is LinearConfig
