@@ -300,15 +300,16 @@ def merge_earlier(path: Path, rows: list, notes: list, meta: dict):
   earlier = json.loads(path.read_text())
   measured = {(r["batch"], r["prompt"], r["impl"]) for r in rows}
   date = earlier.get("meta", {}).get("date")
-  kept = [dict(r, run=date) for r in earlier.get("rows", [])
+  kept = [dict(r, run=r.get("run") or date) for r in earlier.get("rows", [])
           if (r["batch"], r["prompt"], r["impl"]) not in measured]
   for r in rows:
     r["run"] = meta.get("date")
   if kept:
-    notes = notes + [f"{len(kept)} rows come from the run of {date} (same script, on an H200 "
-                     f"too, with its own ceiling and floor per row); the other {len(rows)} from "
-                     f"this run of {meta.get('date')}."]
-    notes += [n for n in earlier.get("notes", []) if "skipped (time budget)" not in n]
+    runs = sorted({r["run"] for r in kept})
+    notes = notes + [f"{len(kept)} rows ({', '.join(sorted({r['impl'] for r in kept}))}) come from "
+                     f"the run(s) of {', '.join(runs)} (same script, on an H200 too, with their own "
+                     f"ceiling and floor); the other {len(rows)} from this run of {meta.get('date')}. "
+                     "The JSON's `run` field dates each row."]
   rank = {label: i for i, (label, *_) in enumerate(IMPLS)}
   merged = sorted(kept + rows, key=lambda r: (r["prompt"], r["batch"], rank.get(r["impl"], len(rank))))
   return merged, notes
