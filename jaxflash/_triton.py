@@ -8,6 +8,7 @@ through `quiet`.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 
 import jax
@@ -35,6 +36,25 @@ store = plgpu.store
 CompilerParams = plgpu.CompilerParams
 
 
+LOG2_E = math.log2(math.e)  # scores times log2(e): softmax in exp2, the GPU's native exponential
+LN_2 = math.log(2.0)  # log2-sum-exp times ln(2): the natural-log LSE the API returns
+
+
+def mask2d(row_ok, col_ok, shape=None):
+  """row_ok [R] and col_ok [C] boolean vectors (either may be None) -> their AND as a mask
+  broadcastable to [R, C] (broadcast to `shape` when given), or None when neither is
+  given: a load or store with no mask at all, the fast path."""
+  if row_ok is None and col_ok is None:
+    return None
+  if col_ok is None:
+    mask = row_ok[:, None]
+  elif row_ok is None:
+    mask = col_ok[None, :]
+  else:
+    mask = row_ok[:, None] & col_ok[None, :]
+  return mask if shape is None else jnp.broadcast_to(mask, shape)
+
+
 def exp2(x, *, approx: bool):
   """2**x for float32 `x`. With `approx` (compiled kernels only: interpret mode has no PTX)
   it is one `ex2.approx.ftz.f32`, the GPU's special-function instruction, as Triton's own
@@ -55,4 +75,5 @@ def use_interpret(interpret: bool | None = None) -> bool:
   return jax.default_backend() != "gpu"
 
 
-__all__ = ["pl", "plgpu", "dot", "load", "store", "exp2", "CompilerParams", "quiet", "use_interpret"]
+__all__ = ["pl", "plgpu", "dot", "load", "store", "exp2", "mask2d", "LOG2_E", "LN_2", "CompilerParams",
+           "quiet", "use_interpret"]

@@ -14,19 +14,16 @@ how a tile of tokens is addressed.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import _checks, configs
-from jaxflash._triton import CompilerParams, dot, load, pl, quiet, store, use_interpret
+from jaxflash._triton import LN_2, LOG2_E, CompilerParams, dot, load, mask2d, pl, quiet, store, use_interpret
 from jaxflash.configs import DECODE_QUERY_ROWS, DecodeConfig
 from jaxflash.reference import attention_reference
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 
 
@@ -92,7 +89,7 @@ def _split_kv_kernel(
 
   # All query heads of KV group h (GQA by index: heads h*G .. h*G+G-1) as one 16-row tile,
   # since tl.dot needs 16 rows; the padded rows load zeros and are never stored.
-  q_mask = _mask2d(rows < group, col_ok)
+  q_mask = mask2d(rows < group, col_ok)
   q = load(q_ref.at[b, pl.ds(h * group, DECODE_QUERY_ROWS), pl.ds(0, head_dim_p)],
            mask=q_mask, other=0.0)
   q = q.astype(k_ref.dtype)
@@ -101,7 +98,7 @@ def _split_kv_kernel(
     tok0 = start + i * block_k
     key_ok = (tok0 + jnp.arange(block_k)) < length if masked else None
     index = tile_index(table_ref, b, h, tok0, key_ok)
-    kv_mask = _mask2d(key_ok, col_ok)
+    kv_mask = mask2d(key_ok, col_ok)
     other = None if kv_mask is None else 0.0
     k = load(k_ref.at[index], mask=kv_mask, other=other)  # [block_k, Hp]
     v = load(v_ref.at[index], mask=kv_mask, other=other)
@@ -121,26 +118,14 @@ def _split_kv_kernel(
   nonempty = l_i > 0.0
   out = acc / jnp.where(nonempty, l_i, 1.0)[:, None]
   lse2 = jnp.where(nonempty, m_i + jnp.log2(jnp.where(nonempty, l_i, 1.0)), NEG_INF)
-  out_mask = _mask2d(rows < group, col_ok)
+  out_mask = mask2d(rows < group, col_ok)
   head_rows = pl.ds(h * group, DECODE_QUERY_ROWS)
   if final:
     store(o_ref.at[b, head_rows, pl.ds(0, head_dim_p)], out.astype(o_ref.dtype), mask=out_mask)
-    store(lse_ref.at[b, head_rows], lse2 * LN2, mask=rows < group)
+    store(lse_ref.at[b, head_rows], lse2 * LN_2, mask=rows < group)
   else:
     store(o_ref.at[b, c, head_rows, pl.ds(0, head_dim_p)], out, mask=out_mask)
     store(lse_ref.at[b, c, head_rows], lse2, mask=rows < group)
-
-
-def _mask2d(row_ok, col_ok):
-  """row_ok [R] and col_ok [C] (either may be None) -> a mask broadcastable to [R, C], or
-  None when neither is needed (an unmasked load)."""
-  if row_ok is None and col_ok is None:
-    return None
-  if col_ok is None:
-    return row_ok[:, None]
-  if row_ok is None:
-    return col_ok[None, :]
-  return row_ok[:, None] & col_ok[None, :]
 
 
 def _contiguous_tile(block_k: int, head_dim_p: int):
@@ -180,7 +165,7 @@ def _combine_kernel(
            mask=split_ok[:, None] & col_ok[None, :], other=0.0)
   out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(total > 0.0, total, 1.0)
   store(o_ref.at[b, n, pl.ds(0, head_dim_p)], out.astype(o_ref.dtype), mask=col_ok)
-  lse_ref[b, n] = jnp.where(total > 0.0, (m + jnp.log2(jnp.where(total > 0.0, total, 1.0))) * LN2,
+  lse_ref[b, n] = jnp.where(total > 0.0, (m + jnp.log2(jnp.where(total > 0.0, total, 1.0))) * LN_2,
                             NEG_INF)
 
 
@@ -240,7 +225,7 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
   fp32 = jnp.dtype(k_rows.dtype) == jnp.float32
   kernel = functools.partial(
       _split_kv_kernel, tile_index=tile_index, group=num_heads // kv_heads, head_dim=head_dim,
-      block_k=config.block_k, chunk=chunk, capacity=capacity, qk_scale=scale * LOG2E,
+      block_k=config.block_k, chunk=chunk, capacity=capacity, qk_scale=scale * LOG2_E,
       final=final, precision=lax.Precision.HIGHEST if fp32 else None)
   if table is None:
     kernel = _without_table(kernel)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import device as device_lib
-from jaxflash._triton import CompilerParams, dot, load, pl, quiet, store, use_interpret
+from jaxflash._triton import CompilerParams, dot, load, mask2d, pl, quiet, store, use_interpret
 
 MAX_ROWS = 16  # tl.dot's minimum M: x's rows are padded to it, so 16 rows cost what 1 does
 
@@ -57,9 +57,9 @@ def _skinny_kernel(x_ref, w_ref, o_ref, *, rows: int, k_size: int, n_size: int, 
   def body(i, acc, *, masked: bool):
     k0 = first + i * block_k
     k_ok = (k0 + jnp.arange(block_k)) < k_size if masked else None
-    x_mask = row_ok[:, None] if k_ok is None else row_ok[:, None] & k_ok[None, :]
+    x_mask = mask2d(row_ok, k_ok)
     x = load(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)], mask=x_mask, other=0.0)
-    w_mask = _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :])
+    w_mask = mask2d(k_ok, col_ok)
     w = load(w_ref.at[pl.ds(k0, block_k), pl.ds(j * block_n, block_n)], mask=w_mask,
              other=None if w_mask is None else 0.0)
     return acc + dot(x.astype(w.dtype), w, precision=precision)  # [16, block_n] f32
@@ -68,18 +68,12 @@ def _skinny_kernel(x_ref, w_ref, o_ref, *, rows: int, k_size: int, n_size: int, 
   acc = jnp.zeros((MAX_ROWS, block_n), jnp.float32)
   acc = lax.fori_loop(0, num_full, functools.partial(body, masked=False), acc)
   acc = lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), acc)
-  out_mask = _and(row_ok[:, None], None if col_ok is None else col_ok[None, :])
+  out_mask = mask2d(row_ok, col_ok)
   columns = pl.ds(j * block_n, block_n)
   if partial:
     store(o_ref.at[s, pl.ds(0, MAX_ROWS), columns], acc, mask=out_mask)
   else:
     store(o_ref.at[pl.ds(0, MAX_ROWS), columns], acc.astype(o_ref.dtype), mask=out_mask)
-
-
-def _and(a, b):
-  if a is None:
-    return b
-  return a if b is None else a & b
 
 
 def k_chunks(config: LinearConfig, n_size: int, k_size: int, num_sms: int) -> tuple[int, int]:

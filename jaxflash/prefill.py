@@ -18,31 +18,19 @@ head n reads KV head n // (N // K) by index; K and V are never repeated.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
 from jaxflash import _checks, configs
-from jaxflash._triton import CompilerParams, dot, exp2, load, pl, quiet, store, use_interpret
+from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load, mask2d, pl, quiet, store,
+                              use_interpret)
 from jaxflash.configs import PrefillConfig
 from jaxflash.reference import attention_reference
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 MIN_BLOCK = 16  # tl.dot needs tiles of at least 16 x 16
 APPROX_EXP2 = True  # compiled kernels use ex2.approx (see jaxflash._triton.exp2)
-
-
-def _broadcast_mask(rows_mask, cols_mask, shape):
-  """[rows] and [cols] boolean masks (either may be None) -> [rows, cols], or None."""
-  mask = None
-  if rows_mask is not None:
-    mask = rows_mask[:, None]
-  if cols_mask is not None:
-    mask = cols_mask[None, :] if mask is None else mask & cols_mask[None, :]
-  return None if mask is None else jnp.broadcast_to(mask, shape)
 
 
 def _load_masked(ref, mask):
@@ -92,7 +80,7 @@ def _prefill_kernel(
   compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
   # float32 inputs get IEEE dots (not TF32) so they stay exact to ~1e-6.
   dot_kwargs = dict(allow_tf32=False) if compute_dtype == jnp.float32 else {}
-  q = _load_masked(q_ref, _broadcast_mask(row_valid, col_mask, (block_q, head_dim_padded)))
+  q = _load_masked(q_ref, mask2d(row_valid, col_mask, (block_q, head_dim_padded)))
   q = q.astype(compute_dtype)
 
   # Loop bounds, in key blocks. `kv_end`: one past the last key any valid row of this
@@ -115,7 +103,7 @@ def _prefill_kernel(
     keys = kv_start + jnp.arange(block_k)  # [block_k] key positions
     # Masked blocks may reach past the valid keys (a cache's unwritten tail, or past S):
     # those rows load as zeros, so garbage there can never reach the output as 0 * NaN.
-    kv_mask = _broadcast_mask(keys < kv_valid if masked else None, col_mask,
+    kv_mask = mask2d(keys < kv_valid if masked else None, col_mask,
                               (block_k, head_dim_padded))
     k = _load_masked(k_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
     # Scores in float32, scaled by log2(e) * scale so the exponentials are exp2 (the
@@ -160,7 +148,7 @@ def _prefill_kernel(
   out = jnp.where(attended[:, None], acc * (1. / l_safe)[:, None], 0.)
   in_bounds = None if seq_q % block_q == 0 else rows < seq_q
   store(o_ref, out.astype(o_ref.dtype),
-        mask=_broadcast_mask(in_bounds, col_mask, (block_q, head_dim_padded)))
+        mask=mask2d(in_bounds, col_mask, (block_q, head_dim_padded)))
   if lse_ref is not None:
     # m and log2(l) are in base 2 (scores were scaled by log2 e): ln 2 converts back.
     lse = jnp.where(attended, (m_i + jnp.log2(l_safe)) * LN_2, -jnp.inf)

@@ -82,12 +82,13 @@ def test_skinny_projections_match_xla_dots():
   config = qwen2.Qwen2Config.tiny()
   model = qwen2.random_model(config, seed=1)
   ids = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (3, 5)))  # 15 rows
-  skinny = model(ids, attention_impl="xla")
-  assert "jaxflash_skinny_matmul" in str(jax.make_jaxpr(lambda t: model(t, attention_impl="xla"))(ids))
-  model.skinny_decode = False
-  plain = model(ids, attention_impl="xla")
+  with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
+    skinny = model(ids, attention_impl="xla")
+    model.skinny_decode = False
+    plain = model(ids, attention_impl="xla")
   np.testing.assert_allclose(np.asarray(skinny), np.asarray(plain), rtol=2e-5, atol=2e-5)
   model.skinny_decode = True
+  assert "jaxflash_skinny_matmul" in str(jax.make_jaxpr(lambda t: model(t, attention_impl="xla"))(ids))
   wide = jnp.concatenate([ids, ids], axis=1)  # 30 rows: XLA's dots
   assert "skinny" not in str(jax.make_jaxpr(lambda t: model(t, attention_impl="xla"))(wide))
 
