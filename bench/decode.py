@@ -10,8 +10,8 @@ actually read: valid length x KV heads x head dim x 2 bytes x 2. The ceiling is 
 reduction over 4 GiB measured in the same run.
 
 Rows: batch 1 at 1K, 4K, 16K, 32K, 128K and batch 16 at 4K (12 query heads, 2 KV heads,
-d = 128, bf16, lengths = capacity). Sweeps: Flash-Decoding's chunk count (B=1, 32K and
-128K) and the paged kernel's tile and pipeline depth (B=1, 32K, pages of 16).
+d = 128, bf16, lengths = capacity). Sweeps: Flash-Decoding's chunk count (B=1 at 1K,
+4K, 32K and 128K) and the paged kernel's tile and pipeline depth (B=1, 32K, pages of 16).
 
   python bench/decode.py [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
   python bench/decode.py --smoke                               # tiny CPU run, interpret mode
@@ -330,7 +330,7 @@ def main(argv=None):
   else:
     rows_spec = ([(1, 4096), (1, 32768), (16, 4096)] if args.quick else
                  [(1, 1024), (1, 4096), (1, 16384), (1, 32768), (1, 131072), (16, 4096)])
-    split_contexts = (32768,) if args.quick else (32768, 131072)
+    split_contexts = (32768,) if args.quick else (1024, 4096, 32768, 131072)
     stage_context = 32768
     splits = SPLITS
     paged_configs = list(itertools.product(*PAGED_SWEEP.values()))
