@@ -211,6 +211,25 @@ def test_eos_stops_each_sequence_and_is_included(model):
     assert got == expected, cache
 
 
+def test_decode_step_returns_its_inputs_buffers(model):
+  """The decode step donates everything it returns (tokens, done, cache, key): every output
+  reuses its input's buffer, so the step's CUDA graph keeps its addresses (sampler.py)."""
+  sampler = qwen2.Sampler(model, cache="contiguous", attention_impl="xla")
+  cache = sampler.make_cache(2, 32)
+  eos = jnp.asarray([-1], jnp.int32)
+  tokens = jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32)
+  state = sampler.prefill(tokens, jnp.asarray([3, 2], jnp.int32), cache, jax.random.key(0), eos,
+                          SamplingParams())
+  before = jax.tree.leaves(state)
+  after = jax.tree.leaves(sampler.decode(*state, eos, SamplingParams()))
+  assert all(x.is_deleted() for x in before)  # donated
+  compiled = sampler.steps.decode.lower(sampler.params, *jax.tree.unflatten(
+      jax.tree.structure(state), after), eos, sampling=SamplingParams(),
+      attention_impl=sampler.attention_impl).compile()
+  aliased = compiled.as_text().split("input_output_alias={", 1)[1].split("\n", 1)[0]
+  assert aliased.count("may-alias") + aliased.count("must-alias") == len(after)
+
+
 def test_finished_sequences_return_their_pages(model):
   """Prompt 0 stops at once (its first token is EOS); prompt 1 can only grow into a third
   page if the allocator hands it prompt 0's page back."""
