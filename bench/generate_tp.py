@@ -182,8 +182,7 @@ def _finish(rows, notes, meta, config, dtype, args, out_dir, budget):
       "LM head split over the vocabulary, KV caches split over KV heads.",
       "Attention: the jaxflash kernels (paged decode with pages of 16, or split-KV decode over "
       "the contiguous cache); greedy sampling.",
-      "Decode projections: jaxflash.skinny_matmul on 1 device; XLA's dots on 2 (the skinny "
-      "kernel has no partitioning rule yet).",
+      "Decode projections: jaxflash.skinny_matmul on each device's weight shard.",
   ]
   columns = [("cache", "cache"), ("batch", "B"), ("devices", "GPUs"),
              ("weights_gb_device", "weights GB/GPU", "{:.2f}"), ("prefill_ms", "prefill ms"),

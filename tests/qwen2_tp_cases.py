@@ -12,6 +12,7 @@ in-process.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -104,7 +105,8 @@ def _collectives(hlo: str) -> list[dict]:
 
 def _decode_step(sampler, cache_kind: str):
   """Prefill + one decode step by hand: (shardings of the new cache, its pool shape, of the
-  cache before the step and after it, the step's compiled HLO)."""
+  cache before the step and after it, the step's compiled HLO, whether its projections run
+  the skinny kernel)."""
   greedy = qwen2.SamplingParams()
   eos = jnp.asarray([-1], jnp.int32)
   batch = len(PROMPTS)
@@ -125,12 +127,14 @@ def _decode_step(sampler, cache_kind: str):
   first, done, cache, key = sampler.prefill(sampler.to_device(tokens), sampler.to_device(lengths),
                                             cache, jax.random.key(0), eos, greedy)
   args = (sampler.params, first, done, cache, key, eos)
-  compiled = sampler.steps.decode.lower(*args, sampling=greedy,
-                                        attention_impl=sampler.attention_impl).compile()
+  step = functools.partial(sampler.steps.decode, sampling=greedy,
+                           attention_impl=sampler.attention_impl)
+  compiled = step.func.lower(*args, **step.keywords).compile()
+  skinny = "jaxflash_skinny_matmul" in str(jax.make_jaxpr(step)(*args))
   before = jax.tree.map(lambda x: x.sharding, cache)
   _, _, after_cache, _ = sampler.decode(first, done, cache, key, eos, greedy)
   after = jax.tree.map(lambda x: x.sharding, after_cache)
-  return created, pool_shape, before, after, compiled.as_text()
+  return created, pool_shape, before, after, compiled.as_text(), skinny
 
 
 def run(devices=None, data_parallel: bool = False) -> dict:
@@ -159,7 +163,7 @@ def run(devices=None, data_parallel: bool = False) -> dict:
     want_tokens = qwen2.generate(single, PROMPTS, **options)
     got_tokens = qwen2.generate(sharded, PROMPTS, **options)
     sampler = qwen2.Sampler(sharded, cache=kind, page_size=8)
-    created, pool_shape, before, after, hlo = _decode_step(sampler, kind)
+    created, pool_shape, before, after, hlo, skinny = _decode_step(sampler, kind)
     pools = created.key_pages if kind == "paged" else created.keys
     shapes = {tuple(x.shape) for x in jax.tree.leaves(nnx.split(sharded)[1])}
     result[kind] = dict(
@@ -169,7 +173,7 @@ def run(devices=None, data_parallel: bool = False) -> dict:
         step_keeps_shardings=all(a.is_equivalent_to(b, 4) if hasattr(a, "is_equivalent_to") else
                                  a == b for a, b in zip(jax.tree.leaves(before),
                                                         jax.tree.leaves(after))),
-        collectives=_collectives(hlo),
+        collectives=_collectives(hlo), skinny_in_step=skinny,
         weight_or_cache_shapes=sorted([list(s) for s in shapes] + [pool_shape]))
   return result
 

@@ -2,7 +2,8 @@
 gives the single-device logits and greedy tokens (paged and contiguous caches), its
 weights and caches are split as intended, and the compiled decode step moves no weight
 or cache between devices (its only collectives: the all-reduces after o_proj and
-down_proj, and the small all-gathers of the vocabulary-split argmax).
+down_proj, and the small all-gathers of the vocabulary-split argmax). Its projections run
+jaxflash.skinny_matmul on each device's weight shard.
 
 CPU: forced host devices, set before JAX starts, so the cases run in subprocesses
 (tests/qwen2_tp_cases.py), the 2- and 4-device ones at once (compilation is single-
@@ -65,6 +66,7 @@ def _check(result, data_parallel: bool = False):
       assert facts["kv_spec"] == [batch_axis, None, "model"], facts["kv_spec"]
     assert facts["rows_spec"] == ([batch_axis] if data_parallel else []), facts["rows_spec"]
     assert facts["step_keeps_shardings"], f"{kind}: the decode step moved the cache"
+    assert facts["skinny_in_step"], f"{kind}: the projections did not run jaxflash.skinny_matmul"
     big = {tuple(s) for s in facts["weight_or_cache_shapes"]}
     reduces = [c for c in facts["collectives"] if c["kind"] == "all-reduce"]
     others = [c for c in facts["collectives"] if c["kind"] != "all-reduce"]

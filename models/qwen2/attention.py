@@ -19,7 +19,7 @@ import jaxflash
 from models.qwen2.cache import LayerKV
 from models.qwen2.config import ATTENTION_IMPLS
 from models.qwen2.initializers import dense_init
-from models.qwen2.linear import project
+from models.qwen2.linear import Projector
 from models.qwen2.rope import apply_rope
 
 
@@ -60,17 +60,17 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], lengths: jax.Array | None,
                kv: LayerKV | None = None, *, attention_impl: str | None = None,
-               skinny: bool = False) -> tuple[jax.Array, LayerKV | None]:
+               projector: Projector = Projector()) -> tuple[jax.Array, LayerKV | None]:
     """x [B, T, hidden]; rope = (cos, sin) [B, T, head_dim/2]; lengths [B] valid new tokens
     per row (None: all T). With `kv`, the new keys/values are written to it and the
     updated LayerKV is returned; with T > 1 the cache must not hold earlier tokens of these
-    sequences (prefill from scratch: the prompt attends to itself only). `skinny`: decode-sized
-    projections go through jaxflash.skinny_matmul (models/qwen2/linear.py)."""
+    sequences (prefill from scratch: the prompt attends to itself only). `projector`: how the
+    projections multiply (models/qwen2/linear.py)."""
     batch, steps, _ = x.shape
     with jax.named_scope("qkv_projection"):
-      q = project(self.q_proj, x, skinny=skinny).reshape(batch, steps, self.num_heads, self.head_dim)
-      k = project(self.k_proj, x, skinny=skinny).reshape(batch, steps, self.num_kv_heads, self.head_dim)
-      v = project(self.v_proj, x, skinny=skinny).reshape(batch, steps, self.num_kv_heads, self.head_dim)
+      q = projector(self.q_proj, x, "column").reshape(batch, steps, self.num_heads, self.head_dim)
+      k = projector(self.k_proj, x, "column").reshape(batch, steps, self.num_kv_heads, self.head_dim)
+      v = projector(self.v_proj, x, "column").reshape(batch, steps, self.num_kv_heads, self.head_dim)
     with jax.named_scope("rope"):
       q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
@@ -90,6 +90,6 @@ class Attention(nnx.Module):
                                     impl=attention_impl, kv_lengths=kv.lengths + new_lengths,
                                     block_table=kv.block_table)
     with jax.named_scope("output_projection"):
-      out = project(self.o_proj, out.reshape(batch, steps, self.num_heads * self.head_dim).astype(x.dtype),
-                    skinny=skinny)
+      out = projector(self.o_proj, out.reshape(batch, steps, self.num_heads * self.head_dim).astype(x.dtype),
+                      "row")
     return out, kv

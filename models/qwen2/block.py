@@ -8,6 +8,7 @@ from flax import nnx
 from models.qwen2.attention import Attention
 from models.qwen2.cache import LayerKV
 from models.qwen2.config import Qwen2Config
+from models.qwen2.linear import Projector
 from models.qwen2.mlp import MLP
 from models.qwen2.norm import RMSNorm
 
@@ -26,10 +27,10 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(config.hidden_size, config.intermediate_size, **kinds)
 
   def __call__(self, x: jax.Array, rope, lengths, kv: LayerKV | None = None, *,
-               attention_impl: str | None = None, skinny: bool = False
+               attention_impl: str | None = None, projector: Projector = Projector()
                ) -> tuple[jax.Array, LayerKV | None]:
     attended, kv = self.attention(self.pre_attention_norm(x), rope, lengths, kv,
-                                  attention_impl=attention_impl, skinny=skinny)
+                                  attention_impl=attention_impl, projector=projector)
     x = x + attended
-    x = x + self.mlp(self.pre_mlp_norm(x), skinny=skinny)
+    x = x + self.mlp(self.pre_mlp_norm(x), projector=projector)
     return x, kv

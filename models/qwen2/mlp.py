@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.qwen2.initializers import dense_init
-from models.qwen2.linear import project
+from models.qwen2.linear import Projector
 
 
 class MLP(nnx.Module):
@@ -19,9 +19,8 @@ class MLP(nnx.Module):
     self.up_proj = nnx.Linear(hidden_size, intermediate_size, **dense)
     self.down_proj = nnx.Linear(intermediate_size, hidden_size, **dense)
 
-  def __call__(self, x: jax.Array, *, skinny: bool = False) -> jax.Array:
-    """`skinny`: decode-sized inputs go through jaxflash.skinny_matmul (models/qwen2/linear.py)."""
+  def __call__(self, x: jax.Array, *, projector: Projector = Projector()) -> jax.Array:
+    """`projector`: how the projections multiply (models/qwen2/linear.py)."""
     with jax.named_scope("mlp"):
-      hidden = (jax.nn.silu(project(self.gate_proj, x, skinny=skinny)) *
-                project(self.up_proj, x, skinny=skinny))
-      return project(self.down_proj, hidden, skinny=skinny)
+      hidden = jax.nn.silu(projector(self.gate_proj, x, "column")) * projector(self.up_proj, x, "column")
+      return projector(self.down_proj, hidden, "row")

@@ -9,6 +9,7 @@ from models.qwen2.block import DecoderLayer
 from models.qwen2.cache import KVCache
 from models.qwen2.config import ATTENTION_IMPLS, Qwen2Config
 from models.qwen2.initializers import dense_init, embed_init
+from models.qwen2.linear import Projector
 from models.qwen2.norm import RMSNorm
 from models.qwen2.rope import rope_frequencies
 
@@ -26,8 +27,9 @@ class Qwen2ForCausalLM(nnx.Module):
   # Set by `models.qwen2.shard_model` (a TensorParallel: mesh and axes) on a model split
   # over devices, so that its caches are made split to match; None on one device.
   tensor_parallel = None
-  # Decode steps (at most 16 rows) multiply by the weights through jaxflash.skinny_matmul,
-  # on one device (models/qwen2/linear.py); False: XLA's dots everywhere.
+  # Decode steps (at most 16 rows) multiply by the weights through jaxflash.skinny_matmul
+  # (models/qwen2/linear.py; on a split model, each device its own shard); False: XLA's
+  # dots everywhere.
   skinny_decode = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -77,13 +79,12 @@ class Qwen2ForCausalLM(nnx.Module):
     with jax.named_scope("embed"):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
-    # The skinny kernel has no partitioning rule: a model split over devices keeps XLA's dots.
-    skinny = self.skinny_decode and self.tensor_parallel is None
+    projector = Projector(self.skinny_decode, self.tensor_parallel)
     layer_caches = []
     for index, layer in enumerate(self.layers):
       with jax.named_scope(f"layer_{index}"):
         kv = None if cache is None else cache.layer(index)
-        x, kv = layer(x, rope, lengths, kv, attention_impl=impl, skinny=skinny)
+        x, kv = layer(x, rope, lengths, kv, attention_impl=impl, projector=projector)
         layer_caches.append(kv)
     with jax.named_scope("final_norm"):
       x = self.final_norm(x)

@@ -49,6 +49,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import jaxflash
 from models.qwen2.config import Qwen2Config
 from models.qwen2.model import Qwen2ForCausalLM
 
@@ -109,6 +110,31 @@ class TensorParallel:
     """A host array with a leading batch dimension -> placed as `per_sequence`."""
     x = np.asarray(x)
     return jax.device_put(x, self.per_sequence(x.ndim, batch))
+
+  def skinny_matmul(self, x: jax.Array, w: jax.Array, split: str) -> jax.Array:
+    """x [B, ..., K] @ w [K, N] with jaxflash.skinny_matmul on each device's shard.
+
+    split "column" (w split over N: each device computes its output columns) or "row" (w
+    split over K, x's last dimension split alike: each device's partial product, summed
+    by one all-reduce, the one XLA's own row-parallel dot makes). The kernel is opaque to
+    XLA's partitioner, so shard_map hands it the local shapes instead.
+    """
+    if split not in ("column", "row"):
+      raise ValueError(f"split must be 'column' or 'row', got {split!r}")
+    lead = (self._batch_axis(x.shape[0]),) + (None,) * (x.ndim - 2)
+    model = self.model_axis
+    if split == "column":
+      specs, out_spec = (P(*lead, None), P(None, model)), P(*lead, model)
+    else:
+      specs, out_spec = (P(*lead, model), P(model, None)), P(*lead, None)
+
+    def local(x, w):
+      out = jaxflash.skinny_matmul(x, w)
+      return out if split == "column" else jax.lax.psum(out, model)
+
+    # check_vma off: Pallas calls carry no varying-axes rule.
+    return jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out_spec,
+                         check_vma=False)(x, w)
 
 
 def tensor_parallel_config(config: Qwen2Config, degree: int) -> Qwen2Config:
