@@ -55,6 +55,12 @@ def mask2d(row_ok, col_ok, shape=None):
   return mask if shape is None else jnp.broadcast_to(mask, shape)
 
 
+def load_masked(ref, mask):
+  """load(ref), with zeros where `mask` (None: load everything, no mask) is False. Triton
+  takes no `other` without a mask, hence the one helper."""
+  return load(ref) if mask is None else load(ref, mask=mask, other=0.0)
+
+
 def exp2(x, *, approx: bool):
   """2**x for float32 `x`. With `approx` (compiled kernels only: interpret mode has no PTX)
   it is one `ex2.approx.ftz.f32`, the GPU's special-function instruction, as Triton's own
@@ -75,5 +81,5 @@ def use_interpret(interpret: bool | None = None) -> bool:
   return jax.default_backend() != "gpu"
 
 
-__all__ = ["pl", "plgpu", "dot", "load", "store", "exp2", "mask2d", "LOG2_E", "LN_2", "CompilerParams",
-           "quiet", "use_interpret"]
+__all__ = ["pl", "plgpu", "dot", "load", "load_masked", "store", "exp2", "mask2d", "LOG2_E", "LN_2",
+           "CompilerParams", "quiet", "use_interpret"]

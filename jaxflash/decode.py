@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import _checks, configs
-from jaxflash._triton import LN_2, LOG2_E, CompilerParams, dot, load, mask2d, pl, quiet, store, use_interpret
+from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_masked, mask2d, pl, quiet, store,
+                              use_interpret)
 from jaxflash.configs import DECODE_QUERY_ROWS, DecodeConfig
 from jaxflash.reference import attention_reference
 
@@ -99,9 +100,8 @@ def _split_kv_kernel(
     key_ok = (tok0 + jnp.arange(block_k)) < length if masked else None
     index = tile_index(table_ref, b, h, tok0, key_ok)
     kv_mask = mask2d(key_ok, col_ok)
-    other = None if kv_mask is None else 0.0
-    k = load(k_ref.at[index], mask=kv_mask, other=other)  # [block_k, Hp]
-    v = load(v_ref.at[index], mask=kv_mask, other=other)
+    k = load_masked(k_ref.at[index], kv_mask)  # [block_k, Hp]
+    v = load_masked(v_ref.at[index], kv_mask)
     return _attend_tile(carry, q, k, v, qk_scale=qk_scale, key_ok=key_ok, precision=precision)
 
   carry = (jnp.zeros((DECODE_QUERY_ROWS, head_dim_p), jnp.float32),

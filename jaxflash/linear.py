@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import device as device_lib
-from jaxflash._triton import CompilerParams, dot, load, mask2d, pl, quiet, store, use_interpret
+from jaxflash._triton import CompilerParams, dot, load_masked, mask2d, pl, quiet, store, use_interpret
 
 MAX_ROWS = 16  # tl.dot's minimum M: x's rows are padded to it, so 16 rows cost what 1 does
 
@@ -57,11 +57,9 @@ def _skinny_kernel(x_ref, w_ref, o_ref, *, rows: int, k_size: int, n_size: int, 
   def body(i, acc, *, masked: bool):
     k0 = first + i * block_k
     k_ok = (k0 + jnp.arange(block_k)) < k_size if masked else None
-    x_mask = mask2d(row_ok, k_ok)
-    x = load(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)], mask=x_mask, other=0.0)
+    x = load_masked(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)], mask2d(row_ok, k_ok))
     w_mask = mask2d(k_ok, col_ok)
-    w = load(w_ref.at[pl.ds(k0, block_k), pl.ds(j * block_n, block_n)], mask=w_mask,
-             other=None if w_mask is None else 0.0)
+    w = load_masked(w_ref.at[pl.ds(k0, block_k), pl.ds(j * block_n, block_n)], w_mask)
     return acc + dot(x.astype(w.dtype), w, precision=precision)  # [16, block_n] f32
 
   # Whole tiles unmasked; only the last tile of K, if ragged, pays for masks.

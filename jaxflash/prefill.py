@@ -24,18 +24,13 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxflash import _checks, configs
-from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load, mask2d, pl, quiet, store,
-                              use_interpret)
+from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load_masked, mask2d, pl, quiet,
+                              store, use_interpret)
 from jaxflash.configs import PrefillConfig
 from jaxflash.reference import attention_reference
 
 MIN_BLOCK = 16  # tl.dot needs tiles of at least 16 x 16
 APPROX_EXP2 = True  # compiled kernels use ex2.approx (see jaxflash._triton.exp2)
-
-
-def _load_masked(ref, mask):
-  """Masked-off elements read as zeros (Triton wants no `other` without a mask)."""
-  return load(ref) if mask is None else load(ref, mask=mask, other=0.)
 
 
 def _prefill_kernel(
@@ -80,7 +75,7 @@ def _prefill_kernel(
   compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
   # float32 inputs get IEEE dots (not TF32) so they stay exact to ~1e-6.
   dot_kwargs = dict(allow_tf32=False) if compute_dtype == jnp.float32 else {}
-  q = _load_masked(q_ref, mask2d(row_valid, col_mask, (block_q, head_dim_padded)))
+  q = load_masked(q_ref, mask2d(row_valid, col_mask, (block_q, head_dim_padded)))
   q = q.astype(compute_dtype)
 
   # Loop bounds, in key blocks. `kv_end`: one past the last key any valid row of this
@@ -103,9 +98,8 @@ def _prefill_kernel(
     keys = kv_start + jnp.arange(block_k)  # [block_k] key positions
     # Masked blocks may reach past the valid keys (a cache's unwritten tail, or past S):
     # those rows load as zeros, so garbage there can never reach the output as 0 * NaN.
-    kv_mask = mask2d(keys < kv_valid if masked else None, col_mask,
-                              (block_k, head_dim_padded))
-    k = _load_masked(k_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
+    kv_mask = mask2d(keys < kv_valid if masked else None, col_mask, (block_k, head_dim_padded))
+    k = load_masked(k_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
     # Scores in float32, scaled by log2(e) * scale so the exponentials are exp2 (the
     # article; scaling the float32 scores, not a bf16 Q, keeps the error down).
     s = dot(q, k.astype(compute_dtype), trans_b=True, **dot_kwargs) * qk_scale
@@ -127,7 +121,7 @@ def _prefill_kernel(
     alpha = exp2(m_i - m_new_safe, approx=approx_exp2)  # rescales the old state to the new max
     p = exp2(s - m_new_safe[:, None], approx=approx_exp2)  # [block_q, block_k]
     l_i = l_i * alpha + jnp.sum(p, axis=1)
-    v = _load_masked(v_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
+    v = load_masked(v_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
     v = v.astype(compute_dtype)
     acc = acc * alpha[:, None] + dot(p.astype(compute_dtype), v, **dot_kwargs)
     return acc, m_new, l_i
