@@ -658,6 +658,30 @@ def write_results(name: str, rows: Sequence[dict], meta: dict, columns=None, plo
   return paths
 
 
+def merge_earlier_rows(earlier: dict | None, rows: list, key: Callable[[dict], tuple], meta: dict,
+                       what: Callable[[list], str] = lambda kept: f"{len(kept)} rows") -> tuple[list, str | None]:
+  """`rows` of this run plus the rows of an earlier run's saved JSON (`earlier`) that this run
+  did not measure (same `key`), each dated by its run (`run` field). Returns (rows, a note
+  saying which rows came from where, or None when none were kept)."""
+  earlier = earlier or {}
+  measured = {key(r) for r in rows}
+  date = earlier.get("meta", {}).get("date")
+  kept = [dict(r, run=r.get("run") or date) for r in earlier.get("rows", []) if key(r) not in measured]
+  rows = [dict(r, run=meta.get("date")) for r in rows]
+  if not kept:
+    return rows, None
+  runs = sorted({str(r["run"]) for r in kept})
+  return kept + rows, (f"{what(kept)} come from the run(s) of {', '.join(runs)} (same script, on an "
+                       f"H200 too, with their own ceilings); the other {len(rows)} from this run of "
+                       f"{meta.get('date')}. The JSON's `run` field dates each row.")
+
+
+def read_json(path) -> dict | None:
+  """A results JSON, or None when there is none."""
+  path = Path(path)
+  return json.loads(path.read_text()) if path.exists() else None
+
+
 # ----------------------------------------------------------------------------- script helpers
 
 def log(msg: str) -> None:

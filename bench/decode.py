@@ -303,6 +303,25 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
 
 # ----------------------------------------------------------------------------- script
 
+def with_earlier(earlier: dict | None, rows: list, split_rows: list, stage_rows: list, notes: list,
+                 meta: dict):
+  """This run's rows and sweep rows plus those of the `earlier` saved run that it did not
+  measure (by batch and context; sweeps by context), each dated by its run. Returns
+  (rows, meta, notes, split_rows, stage_rows); meta unchanged."""
+  if earlier is None:
+    return rows, meta, notes, split_rows, stage_rows
+  by_shape = lambda r: (r["batch"], r["context"])
+  rows, note = common.merge_earlier_rows(earlier, rows, by_shape, meta)
+  rows = sorted(rows, key=lambda r: (r["batch"] != 1, r["batch"], r["context"]))
+  then = earlier.get("meta", {}).get("date")
+  dated = lambda sweep, date: [dict(r, run=r.get("run") or date) for r in sweep]
+  swept = {r["context"] for r in split_rows}
+  split_rows = dated([r for r in earlier.get("splits_sweep", []) if r["context"] not in swept], then) + \
+      dated(split_rows, meta.get("date"))
+  stage_rows = dated(stage_rows, meta.get("date")) or dated(earlier.get("paged_stages_sweep", []), then)
+  return rows, meta, notes + ([note] if note else []), split_rows, stage_rows
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="fewer rows")
@@ -313,6 +332,9 @@ def parse_args(argv=None):
   p.add_argument("--budget-s", type=float, default=360.0,
                  help="skip the cells left after this many seconds (results are still written)")
   p.add_argument("--min-mib", type=float, default=512.0, help="caches per row, MiB (cold reads)")
+  p.add_argument("--rows", default=None, help="comma-separated BxCONTEXT subset, e.g. 1x1024,1x4096")
+  p.add_argument("--merge", action="store_true",
+                 help="keep the rows (and sweep rows) of the saved decode.json that this run does not measure")
   p.add_argument("--max-sites", type=int, default=64,
                  help="layers per compiled call (more rotate between argument sets)")
   return p.parse_args(argv)
@@ -336,7 +358,10 @@ def main(argv=None):
     paged_configs = list(itertools.product(*PAGED_SWEEP.values()))
     min_bytes, max_sites = int(args.min_mib * MIB), args.max_sites
     ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
+  if args.rows:
+    rows_spec = [tuple(int(n) for n in spec.split("x")) for spec in args.rows.split(",")]
   meta, out_dir = common.begin_run("decode", args, **ceiling_args)
+  earlier = common.read_json(Path(out_dir) / "decode.json") if args.merge else None
   ceiling = meta["ceilings"].get("hbm_read_gbs")
   meta.update(
       title="Decode attention: GB/s of K+V read on device time",
@@ -382,8 +407,11 @@ def main(argv=None):
       if not isinstance(e, float) or e > 0.05:
         notes.append(f"B={batch} context={capacity} {LABELS.get(name, name)}: max abs error vs float32 = {e}")
     log("  " + ", ".join(f"{name} {common.format_value(row.get(f'{name}_gbs'))}" for name in IMPLS))
-    common.write_results("decode", rows, meta, main_columns(), out_dir=out_dir, notes=notes,
-                         extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
+    m_rows, _, m_notes, m_splits, m_stages = with_earlier(earlier, rows, split_rows, stage_rows, notes, meta)
+    common.write_results("decode", m_rows, meta, main_columns(), out_dir=out_dir, notes=m_notes,
+                         extra={"splits_sweep": m_splits, "paged_stages_sweep": m_stages})
+
+  rows, meta, notes, split_rows, stage_rows = with_earlier(earlier, rows, split_rows, stage_rows, notes, meta)
 
   plot = {"x": "context", "y": [f"{n}_gbs" for n in IMPLS], "logx": True,
           "labels": {f"{n}_gbs": LABELS[n] for n in IMPLS}, "where": lambda r: r["batch"] == 1,

@@ -295,24 +295,12 @@ def parse_args(argv=None):
 def merge_earlier(path: Path, rows: list, notes: list, meta: dict):
   """Adds the rows of the run saved at `path` that this run did not measure (same B, prompt
   and attention), each marked with that run's date; notes say which rows came from where."""
-  if not path.exists():
-    return rows, notes
-  earlier = json.loads(path.read_text())
-  measured = {(r["batch"], r["prompt"], r["impl"]) for r in rows}
-  date = earlier.get("meta", {}).get("date")
-  kept = [dict(r, run=r.get("run") or date) for r in earlier.get("rows", [])
-          if (r["batch"], r["prompt"], r["impl"]) not in measured]
-  for r in rows:
-    r["run"] = meta.get("date")
-  if kept:
-    runs = sorted({r["run"] for r in kept})
-    notes = notes + [f"{len(kept)} rows ({', '.join(sorted({r['impl'] for r in kept}))}) come from "
-                     f"the run(s) of {', '.join(runs)} (same script, on an H200 too, with their own "
-                     f"ceiling and floor); the other {len(rows)} from this run of {meta.get('date')}. "
-                     "The JSON's `run` field dates each row."]
+  merged, note = common.merge_earlier_rows(
+      common.read_json(path), rows, lambda r: (r["batch"], r["prompt"], r["impl"]), meta,
+      what=lambda kept: f"{len(kept)} rows ({', '.join(sorted({r['impl'] for r in kept}))})")
   rank = {label: i for i, (label, *_) in enumerate(IMPLS)}
-  merged = sorted(kept + rows, key=lambda r: (r["prompt"], r["batch"], rank.get(r["impl"], len(rank))))
-  return merged, notes
+  merged = sorted(merged, key=lambda r: (r["prompt"], r["batch"], rank.get(r["impl"], len(rank))))
+  return merged, notes + ([note] if note else [])
 
 
 def main(argv=None):

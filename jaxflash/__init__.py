@@ -1,5 +1,6 @@
 """jaxflash: fast, exact attention for JAX on NVIDIA GPUs (Pallas, Triton lowering)."""
 from jaxflash.attention import attention
+from jaxflash.cache_write import kv_cache_write
 from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_splits, prefill_config
 from jaxflash.decode import decode_attention
 from jaxflash.device import DeviceInfo, device_info
@@ -12,6 +13,6 @@ __all__ = [
     "attention", "prefill_attention", "decode_attention", "paged_decode_attention",
     "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
-    "skinny_matmul", "LinearConfig",
+    "skinny_matmul", "LinearConfig", "kv_cache_write",
 ]
 __version__ = "0.1.0"

@@ -157,7 +157,7 @@ def all_configs():
     yield None, c
 
 
-MIN_CHUNK_TOKENS = 256  # a split shorter than this spends more on its partial result than it saves
+MIN_CHUNK_TOKENS = 64  # one tile: shorter splits measured faster down to this (bench/NOTES.md)
 
 
 def num_splits(batch: int, kv_heads: int, capacity: int, info: DeviceInfo | None = None) -> int:

@@ -9,7 +9,13 @@ program per (column block, K chunk) streams its [K chunk, block_n] slab of w thr
 the tensor cores (x's rows padded to the 16 that `tl.dot` needs) with fp32 accumulation.
 When N is narrow, K is cut into chunks so that every SM has a slab to read; the chunks'
 fp32 partial sums are added by an XLA reduction that fuses into whatever consumes the
-product (a bias add, a residual add), so it costs no launch of its own there.
+product (a bias add, a residual add), so it costs no launch of its own there. Several
+weights that multiply the same x (q, k and v) share one launch: their column blocks are
+laid side by side in the grid, and each program reads the weight its block belongs to.
+
+Larger products are XLA's: at the 1.5B model's MLP shapes (1536 x 17920 and 8960 x 1536,
+batch 1, cold weights) XLA's GEMM reads at 3.1-3.7 TB/s on the H200, this kernel at
+2.8-3.4 (bench/NOTES.md), so the model sends only the smaller weights here.
 """
 from __future__ import annotations
 
@@ -39,13 +45,10 @@ class LinearConfig:
   num_splits: int | None = None
 
 
-def _skinny_kernel(x_ref, w_ref, o_ref, *, rows: int, k_size: int, n_size: int, block_n: int,
-                   block_k: int, chunk_tiles: int, partial: bool, precision):
-  """Program (j, s): output columns j*block_n.. over K tiles s*chunk_tiles.. .
-
-  x_ref [M, K]; w_ref [K, N]; o_ref [M, N] (one chunk) or [splits, M, N] fp32 partials.
-  """
-  j, s = pl.program_id(0), pl.program_id(1)
+def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: int, block_n: int,
+                  block_k: int, chunk_tiles: int, partial: bool, precision):
+  """Column block j of one weight over K chunk s: x_ref [M, K]; w_ref [K, N]; o_ref [M, N]
+  (one chunk) or [splits, M, N] fp32 partials."""
   row_ok = jnp.arange(MAX_ROWS) < rows
   cols = j * block_n + jnp.arange(block_n)
   col_ok = None if n_size % block_n == 0 else cols < n_size  # static: no mask when N divides
@@ -74,9 +77,32 @@ def _skinny_kernel(x_ref, w_ref, o_ref, *, rows: int, k_size: int, n_size: int, 
     store(o_ref.at[pl.ds(0, MAX_ROWS), columns], acc.astype(o_ref.dtype), mask=out_mask)
 
 
+def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, **block):
+  """Program (j, s): output column block j of the weights laid side by side (the first
+  weight's blocks, then the second's...), over K tiles s*chunk_tiles.. .
+
+  x_ref [M, K]; refs = the weights [K, N_i], then their outputs.
+  """
+  w_refs, o_refs = refs[:len(widths)], refs[len(widths):]
+  # Program ids are read here, outside the branches: interpret mode resolves them only at
+  # the kernel's top level.
+  j, s = pl.program_id(0), pl.program_id(1)
+  if len(widths) == 1:
+    _column_block(x_ref, w_refs[0], o_refs[0], j, s, n_size=widths[0], block_n=block_n, **block)
+    return
+  first_block = 0
+  for w_ref, o_ref, n_size in zip(w_refs, o_refs, widths):
+    blocks = pl.cdiv(n_size, block_n)
+    is_mine = (j >= first_block) & (j < first_block + blocks)
+    pl.when(is_mine)(functools.partial(_column_block, x_ref, w_ref, o_ref, j - first_block, s,
+                                       n_size=n_size, block_n=block_n, **block))
+    first_block += blocks
+
+
 def k_chunks(config: LinearConfig, n_size: int, k_size: int, num_sms: int) -> tuple[int, int]:
   """(K tiles per chunk, chunks): with None splits, as many chunks as keep every SM busy
-  (column blocks x chunks <= SMs) and no more than there are K tiles."""
+  (column blocks x chunks <= SMs) and no more than there are K tiles. n_size: the output
+  columns in all (several weights side by side: the sum of their column blocks' widths)."""
   n_blocks = pl.cdiv(n_size, config.block_n)
   k_tiles = pl.cdiv(k_size, config.block_k)
   wanted = config.num_splits if config.num_splits is not None else num_sms // n_blocks
@@ -84,56 +110,85 @@ def k_chunks(config: LinearConfig, n_size: int, k_size: int, num_sms: int) -> tu
   return chunk_tiles, pl.cdiv(k_tiles, chunk_tiles)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def skinny_matmul(x, w, *, config: LinearConfig | None = None, interpret: bool | None = None):
-  """x [..., K] with at most 16 rows in all (the leading dims' product) @ w [K, N] -> [..., N].
-
-  The product is computed in w's dtype on the tensor cores with fp32 accumulation (fp32
-  inputs multiply at full precision) and returned in the promoted dtype of x and w.
-  config: tiles and K chunks (default `LinearConfig()`); interpret: Pallas interpret
-  mode (default: when no GPU).
-  """
-  if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
-    raise ValueError(f"skinny_matmul takes x [..., K] and w [K, N], got x {tuple(x.shape)} "
-                     f"and w {tuple(w.shape)}")
-  for name, a in (("x", x), ("w", w)):
+def _check_inputs(x, weights: tuple):
+  shapes = ", ".join(f"w {tuple(w.shape)}" for w in weights)
+  if x.ndim < 1 or any(w.ndim != 2 or x.shape[-1] != w.shape[0] for w in weights):
+    raise ValueError(f"skinny_matmul takes x [..., K] and w [K, N] (or a tuple of such w), got "
+                     f"x {tuple(x.shape)} and {shapes}")
+  for name, a in (("x", x), *(("w", w) for w in weights)):
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise TypeError(f"skinny_matmul needs floating-point {name}, got {name} {a.dtype}")
+  if len({jnp.dtype(w.dtype) for w in weights}) > 1:
+    raise TypeError(f"skinny_matmul's weights must share a dtype, got {[str(w.dtype) for w in weights]}")
   rows = math.prod(x.shape[:-1])
   if rows > MAX_ROWS:
     raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows of x, got x {tuple(x.shape)} "
                      f"({rows} rows): use jnp.dot for larger batches")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def skinny_matmul(x, w, *, config: LinearConfig | None = None, interpret: bool | None = None):
+  """x [..., K] with at most 16 rows in all (the leading dims' product) @ w [K, N] -> [..., N].
+
+  `w` may also be a tuple of weights [K, N_i] that share x (a layer's q, k and v
+  projections): one kernel launch computes every product and a tuple of [..., N_i] comes
+  back. The product is computed in w's dtype on the tensor cores with fp32 accumulation
+  (fp32 inputs multiply at full precision) and returned in the promoted dtype of x and w.
+  config: tiles and K chunks (default `LinearConfig()`); interpret: Pallas interpret
+  mode (default: when no GPU).
+  """
+  weights = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+  if not weights:
+    raise ValueError("skinny_matmul needs at least one weight")
+  _check_inputs(x, weights)
   config = config or LinearConfig()
   if not isinstance(config, LinearConfig):
     raise TypeError(f"config must be a jaxflash.LinearConfig, got {type(config).__name__}")
-  k_size, n_size = w.shape
-  out_dtype = jnp.result_type(x.dtype, w.dtype)
-  if rows == 0 or k_size == 0 or n_size == 0:
-    return jnp.zeros((*x.shape[:-1], n_size), out_dtype)
-  chunk_tiles, splits = k_chunks(config, n_size, k_size, device_lib.device_info().sm_count)
+  rows, k_size = math.prod(x.shape[:-1]), x.shape[-1]
+  widths = tuple(int(w_i.shape[1]) for w_i in weights)
+  out_dtype = jnp.result_type(x.dtype, weights[0].dtype)
+  outs = [jnp.zeros((*x.shape[:-1], n), out_dtype) for n in widths]  # empty products stay zeros
+  live = [i for i, n in enumerate(widths) if n and rows and k_size]
+  if live:
+    computed = _launch(x.reshape(rows, k_size), tuple(weights[i] for i in live),
+                       tuple(widths[i] for i in live), config, out_dtype, use_interpret(interpret))
+    for i, out in zip(live, computed):
+      outs[i] = out.reshape(*x.shape[:-1], widths[i])
+  return tuple(outs) if isinstance(w, (tuple, list)) else outs[0]
+
+
+def _launch(x, weights: tuple, widths: tuple, config: LinearConfig, out_dtype, interpret: bool):
+  """The pallas_call over x [M, K] and weights [K, N_i] -> outputs [M, N_i]."""
+  rows, k_size = x.shape
+  n_blocks = sum(pl.cdiv(n, config.block_n) for n in widths)
+  chunk_tiles, splits = k_chunks(config, n_blocks * config.block_n, k_size,
+                                 device_lib.device_info().sm_count)
   partial = splits > 1
-  out_shape = (splits, rows, n_size) if partial else (rows, n_size)
-  fp32 = jnp.dtype(w.dtype) == jnp.float32
+  out_shapes = tuple(jax.ShapeDtypeStruct((splits, rows, n) if partial else (rows, n),
+                                          jnp.float32 if partial else out_dtype) for n in widths)
+  fp32 = jnp.dtype(weights[0].dtype) == jnp.float32
   kernel = functools.partial(
-      _skinny_kernel, rows=rows, k_size=k_size, n_size=n_size, block_n=config.block_n,
+      _skinny_kernel, widths=widths, rows=rows, k_size=k_size, block_n=config.block_n,
       block_k=config.block_k, chunk_tiles=chunk_tiles, partial=partial,
       precision=lax.Precision.HIGHEST if fp32 else None)
   with quiet():
-    out = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(n_size, config.block_n), splits),
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if partial else out_dtype),
+        grid=(n_blocks, splits),
+        out_shape=out_shapes,
         compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=use_interpret(interpret),
+        interpret=interpret,
         name="jaxflash_skinny_matmul",
-    )(x.reshape(rows, k_size), w)
-  if partial:
-    out = out.sum(axis=0).astype(out_dtype)  # fuses into the consumer's elementwise kernel
-  return out.reshape(*x.shape[:-1], n_size)
+    )(x, *weights)
+  if partial:  # the chunks' sum fuses into the consumer's elementwise kernel
+    outs = tuple(out.sum(axis=0).astype(out_dtype) for out in outs)
+  return outs
 
 
 def skinny_matmul_reference(x, w):
-  """x @ w in plain JAX with fp32 accumulation, for checking."""
+  """x @ w (or a tuple of x @ w_i) in plain JAX with fp32 accumulation, for checking."""
+  if isinstance(w, (tuple, list)):
+    return tuple(skinny_matmul_reference(x, w_i) for w_i in w)
   out_dtype = jnp.result_type(x.dtype, w.dtype)
   return jnp.matmul(x, w, preferred_element_type=jnp.float32,
                     precision=lax.Precision.HIGHEST).astype(out_dtype)

@@ -93,6 +93,29 @@ def test_skinny_projections_match_xla_dots():
   assert "skinny" not in str(jax.make_jaxpr(lambda t: model(t, attention_impl="xla"))(wide))
 
 
+def test_projector_routes_small_weights_to_one_skinny_launch(monkeypatch):
+  """q/k/v-like weights sharing x run in ONE skinny launch, with their biases; a weight over
+  SKINNY_MAX_WEIGHT elements, or more than 16 rows, stays an XLA dot."""
+  from models.qwen2 import linear as linear_module
+  rngs = nnx.Rngs(0)
+  q = nnx.Linear(32, 16, use_bias=True, bias_init=nnx.initializers.normal(1.0), rngs=rngs)
+  k = nnx.Linear(32, 8, use_bias=True, bias_init=nnx.initializers.normal(1.0), rngs=rngs)
+  big = nnx.Linear(32, 24, use_bias=False, rngs=rngs)
+  monkeypatch.setattr(linear_module, "SKINNY_MAX_WEIGHT", 32 * 16)
+  projector = linear_module.Projector(skinny=True)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 2, 32)), jnp.float32)
+
+  def skinny_calls(fn, x):
+    return str(jax.make_jaxpr(fn)(x)).count("pallas_call")
+
+  assert skinny_calls(lambda x: projector.many((q, k), x, "column"), x) == 1
+  assert skinny_calls(lambda x: projector(big, x, "row"), x) == 0
+  assert skinny_calls(lambda x: projector.many((q, k), x, "column"), jnp.zeros((17, 32))) == 0
+  with jax.default_matmul_precision("highest"):
+    for out, layer in zip(projector.many((q, k), x, "column"), (q, k)):
+      np.testing.assert_allclose(np.asarray(out), np.asarray(layer(x)), rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 @pytest.fixture(scope="module")
@@ -228,6 +251,36 @@ def test_decode_step_returns_its_inputs_buffers(model):
       attention_impl=sampler.attention_impl).compile()
   aliased = compiled.as_text().split("input_output_alias={", 1)[1].split("\n", 1)[0]
   assert aliased.count("may-alias") + aliased.count("must-alias") == len(after)
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_cache_write_kernel_matches_the_scatter(model, cache):
+  """Decode steps write new keys/values with jaxflash.kv_cache_write: the same tokens as
+  XLA's scatter, and the compiled step copies no cache-sized buffer (written in place)."""
+  prompts = _prompts()
+  run = lambda: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache=cache,
+                               page_size=8)
+  with_kernel = run()
+  model.cache_write_kernel = False
+  try:
+    assert run() == with_kernel
+  finally:
+    model.cache_write_kernel = True
+  sampler = qwen2.Sampler(model, cache=cache, attention_impl="xla", page_size=8)
+  kv = sampler.make_cache(2, 32)
+  eos = jnp.asarray([-1], jnp.int32)
+  state = sampler.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32), jnp.asarray([3, 2], jnp.int32),
+                          kv, jax.random.key(0), eos, SamplingParams())
+  step = lambda *args: sampler.steps.decode(*args, sampling=SamplingParams(),
+                                             attention_impl=sampler.attention_impl)
+  assert "jaxflash_kv_cache_write" in str(jax.make_jaxpr(step)(sampler.params, *state, eos))
+  lowered = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=SamplingParams(),
+                                       attention_impl=sampler.attention_impl)
+  layer_cache = kv.layer(0).keys
+  shape = f"[{','.join(map(str, layer_cache.shape))}]"
+  copies = [l for l in lowered.compile().as_text().splitlines()
+            if " copy(" in l and shape in l.split("=", 1)[1].split("(", 1)[0]]
+  assert not copies, copies
 
 
 def test_finished_sequences_return_their_pages(model):

@@ -68,9 +68,10 @@ class Attention(nnx.Module):
     projections multiply (models/qwen2/linear.py)."""
     batch, steps, _ = x.shape
     with jax.named_scope("qkv_projection"):
-      q = projector(self.q_proj, x, "column").reshape(batch, steps, self.num_heads, self.head_dim)
-      k = projector(self.k_proj, x, "column").reshape(batch, steps, self.num_kv_heads, self.head_dim)
-      v = projector(self.v_proj, x, "column").reshape(batch, steps, self.num_kv_heads, self.head_dim)
+      q, k, v = projector.many((self.q_proj, self.k_proj, self.v_proj), x, "column")
+      q = q.reshape(batch, steps, self.num_heads, self.head_dim)
+      k = k.reshape(batch, steps, self.num_kv_heads, self.head_dim)
+      v = v.reshape(batch, steps, self.num_kv_heads, self.head_dim)
     with jax.named_scope("rope"):
       q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 

@@ -32,6 +32,9 @@ class LayerKV:
   values: jax.Array
   lengths: jax.Array
   block_table: jax.Array | None = None
+  # One new token per sequence (a decode step) is written by jaxflash.kv_cache_write, one
+  # kernel for keys and values; otherwise, and for prompts, by XLA's scatter.
+  write_kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def paged(self) -> bool:
@@ -40,6 +43,11 @@ class LayerKV:
   def write(self, k_new: jax.Array, v_new: jax.Array, new_lengths: jax.Array) -> LayerKV:
     """Stores k_new, v_new [B, T, K, H] at positions lengths[b] + t for t < new_lengths[b];
     tokens past new_lengths[b] (padding, finished sequences) are dropped."""
+    if self.write_kernel and k_new.shape[1] == 1:
+      positions = jnp.where(new_lengths > 0, self.lengths, -1)  # -1: nothing written
+      keys, values = jaxflash.kv_cache_write(self.keys, self.values, k_new[:, 0], v_new[:, 0],
+                                             positions, block_table=self.block_table)
+      return dataclasses.replace(self, keys=keys, values=values)
     if self.paged:
       keys, values = jaxflash.paged_kv_write(self.keys, self.values, self.block_table, self.lengths,
                                              k_new.astype(self.keys.dtype),
@@ -83,8 +91,8 @@ class ContiguousCache:
   def capacity(self) -> int:
     return self.keys[0].shape[1]
 
-  def layer(self, index: int) -> LayerKV:
-    return LayerKV(self.keys[index], self.values[index], self.lengths)
+  def layer(self, index: int, *, write_kernel: bool = False) -> LayerKV:
+    return LayerKV(self.keys[index], self.values[index], self.lengths, write_kernel=write_kernel)
 
   def update(self, layers: list[LayerKV], new_lengths: jax.Array) -> ContiguousCache:
     return ContiguousCache(keys=tuple(l.keys for l in layers), values=tuple(l.values for l in layers),
@@ -131,8 +139,9 @@ class PagedCache:
   def capacity(self) -> int:
     return self.block_table.shape[1] * self.page_size
 
-  def layer(self, index: int) -> LayerKV:
-    return LayerKV(self.key_pages[index], self.value_pages[index], self.lengths, self.block_table)
+  def layer(self, index: int, *, write_kernel: bool = False) -> LayerKV:
+    return LayerKV(self.key_pages[index], self.value_pages[index], self.lengths, self.block_table,
+                   write_kernel=write_kernel)
 
   def update(self, layers: list[LayerKV], new_lengths: jax.Array) -> PagedCache:
     return PagedCache(key_pages=tuple(l.keys for l in layers),

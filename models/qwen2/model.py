@@ -31,6 +31,10 @@ class Qwen2ForCausalLM(nnx.Module):
   # (models/qwen2/linear.py; on a split model, each device its own shard); False: XLA's
   # dots everywhere.
   skinny_decode = True
+  # Decode steps write each layer's new keys and values with jaxflash.kv_cache_write (one
+  # kernel, in place) instead of XLA's scatter (four small kernels). A split model keeps
+  # the scatter, which XLA partitions; False: the scatter everywhere.
+  cache_write_kernel = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
@@ -80,10 +84,11 @@ class Qwen2ForCausalLM(nnx.Module):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
     projector = Projector(self.skinny_decode, self.tensor_parallel)
+    write_kernel = self.cache_write_kernel and self.tensor_parallel is None
     layer_caches = []
     for index, layer in enumerate(self.layers):
       with jax.named_scope(f"layer_{index}"):
-        kv = None if cache is None else cache.layer(index)
+        kv = None if cache is None else cache.layer(index, write_kernel=write_kernel)
         x, kv = layer(x, rope, lengths, kv, attention_impl=impl, projector=projector)
         layer_caches.append(kv)
     with jax.named_scope("final_norm"):

@@ -111,8 +111,9 @@ class TensorParallel:
     x = np.asarray(x)
     return jax.device_put(x, self.per_sequence(x.ndim, batch))
 
-  def skinny_matmul(self, x: jax.Array, w: jax.Array, split: str) -> jax.Array:
-    """x [B, ..., K] @ w [K, N] with jaxflash.skinny_matmul on each device's shard.
+  def skinny_matmul(self, x: jax.Array, w, split: str):
+    """x [B, ..., K] @ w [K, N] (or a tuple of such w: a tuple back) with
+    jaxflash.skinny_matmul on each device's shard.
 
     split "column" (w split over N: each device computes its output columns) or "row" (w
     split over K, x's last dimension split alike: each device's partial product, summed
@@ -124,17 +125,20 @@ class TensorParallel:
     lead = (self._batch_axis(x.shape[0]),) + (None,) * (x.ndim - 2)
     model = self.model_axis
     if split == "column":
-      specs, out_spec = (P(*lead, None), P(None, model)), P(*lead, model)
+      x_spec, w_spec, out_spec = P(*lead, None), P(None, model), P(*lead, model)
     else:
-      specs, out_spec = (P(*lead, model), P(model, None)), P(*lead, None)
+      x_spec, w_spec, out_spec = P(*lead, model), P(model, None), P(*lead, None)
+    several = isinstance(w, (tuple, list))
+    ws = tuple(w) if several else (w,)
 
-    def local(x, w):
-      out = jaxflash.skinny_matmul(x, w)
-      return out if split == "column" else jax.lax.psum(out, model)
+    def local(x, ws):
+      outs = jaxflash.skinny_matmul(x, ws)
+      return outs if split == "column" else tuple(jax.lax.psum(out, model) for out in outs)
 
     # check_vma off: Pallas calls carry no varying-axes rule.
-    return jax.shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=out_spec,
-                         check_vma=False)(x, w)
+    outs = jax.shard_map(local, mesh=self.mesh, in_specs=(x_spec, (w_spec,) * len(ws)),
+                         out_specs=(out_spec,) * len(ws), check_vma=False)(x, ws)
+    return outs if several else outs[0]
 
 
 def tensor_parallel_config(config: Qwen2Config, degree: int) -> Qwen2Config:

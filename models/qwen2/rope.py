@@ -15,10 +15,15 @@ def rope_frequencies(positions: jax.Array, head_dim: int, theta: float) -> tuple
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """x [B, T, heads, H] rotated by (cos, sin) [B, T, H/2]: the first half of the head dim
-  pairs with the second half (HF's `rotate_half`), computed in float32."""
+  pairs with the second half (HF's `rotate_half`), computed in float32.
+
+  The halves are swapped by reversing a size-2 axis rather than by concatenating: XLA fuses
+  a reverse into the elementwise kernels around it (the bias add before, the cache write
+  after), where a concatenate becomes a kernel of its own in a decode step.
+  """
   half = x.shape[-1] // 2
-  x1 = x[..., :half].astype(jnp.float32)  # [B, T, heads, H/2]
-  x2 = x[..., half:].astype(jnp.float32)
-  cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, H/2]
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
+  halves = x.reshape(*x.shape[:-1], 2, half).astype(jnp.float32)  # [B, T, heads, 2, H/2]: x1, x2
+  swapped = halves[..., ::-1, :] * jnp.array([-1.0, 1.0], jnp.float32)[:, None]  # -x2, x1
+  cos, sin = cos[:, :, None, None, :], sin[:, :, None, None, :]  # [B, T, 1, 1, H/2]
+  rotated = halves * cos + swapped * sin  # x1 cos - x2 sin, x2 cos + x1 sin
+  return rotated.reshape(x.shape).astype(x.dtype)
