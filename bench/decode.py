@@ -322,6 +322,31 @@ def with_earlier(earlier: dict | None, rows: list, split_rows: list, stage_rows:
   return rows, meta, notes + ([note] if note else []), split_rows, stage_rows
 
 
+def write_sweeps(split_rows: list, stage_rows: list, meta: dict, ceiling, stage_context: int, out_dir):
+  """The chunk-count and paged-stages sweeps as tables and plots of their own."""
+  sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
+  run = ("run", "run (UTC)", lambda d: str(d)[:16])  # merged sweeps hold rows of several runs
+  if split_rows:
+    split_rows = sorted(split_rows, key=lambda r: (r["context"], r["num_splits"]))
+    common.write_results(
+        "decode_splits", split_rows, {**sub_meta, "title": "Flash-Decoding chunk count, jaxflash contiguous, B=1"},
+        [("context", "context"), ("num_splits", "num_splits"), ("gbs", "GB/s"), ("pct", "% of HBM"),
+         ("us", "us / call"), ("error", "error", lambda e: e[:80]), run],
+        plot={"x": "num_splits", "y": "gbs", "series": "context", "logx": True, "xlabel": "num_splits",
+              "ylabel": "GB/s", "title": "jaxflash decode: chunks per sequence, B=1",
+              "hline": (ceiling, "HBM read ceiling")}, out_dir=out_dir)
+  if stage_rows:
+    common.write_results(
+        "decode_paged_stages", stage_rows,
+        {**sub_meta, "title": f"Paged decode tiles and pipeline stages, B=1, {stage_context} tokens, pages of 16"},
+        [("block_k", "block_k"), ("num_warps", "warps"), ("num_stages", "stages"), ("gbs", "GB/s"),
+         ("pct", "% of HBM"), ("us", "us / call"), ("error", "error", lambda e: e[:80]), run],
+        plot={"x": "num_stages", "y": "gbs", "series": "block_k", "xlabel": "num_stages", "ylabel": "GB/s",
+              "labels": {bk: f"block_k {bk}" for bk in PAGED_SWEEP["block_k"]},
+              "title": "jaxflash paged decode (page 16): stages", "hline": (ceiling, "HBM read ceiling")},
+        out_dir=out_dir)
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="fewer rows")
@@ -419,25 +444,7 @@ def main(argv=None):
           "title": "Decode, 12 q heads / 2 kv heads, d=128, bf16", "hline": (ceiling, "HBM read ceiling")}
   paths = common.write_results("decode", rows, meta, main_columns(), plot=plot, out_dir=out_dir, notes=notes,
                                extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
-  sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
-  if split_rows:
-    common.write_results(
-        "decode_splits", split_rows, {**sub_meta, "title": "Flash-Decoding chunk count, jaxflash contiguous, B=1"},
-        [("context", "context"), ("num_splits", "num_splits"), ("gbs", "GB/s"), ("pct", "% of HBM"),
-         ("us", "us / call"), ("error", "error", lambda e: e[:80])],
-        plot={"x": "num_splits", "y": "gbs", "series": "context", "logx": True, "xlabel": "num_splits",
-              "ylabel": "GB/s", "title": "jaxflash decode: chunks per sequence, B=1",
-              "hline": (ceiling, "HBM read ceiling")}, out_dir=out_dir)
-  if stage_rows:
-    common.write_results(
-        "decode_paged_stages", stage_rows,
-        {**sub_meta, "title": f"Paged decode tiles and pipeline stages, B=1, {stage_context} tokens, pages of 16"},
-        [("block_k", "block_k"), ("num_warps", "warps"), ("num_stages", "stages"), ("gbs", "GB/s"),
-         ("pct", "% of HBM"), ("us", "us / call"), ("error", "error", lambda e: e[:80])],
-        plot={"x": "num_stages", "y": "gbs", "series": "block_k", "xlabel": "num_stages", "ylabel": "GB/s",
-              "labels": {bk: f"block_k {bk}" for bk in PAGED_SWEEP["block_k"]},
-              "title": "jaxflash paged decode (page 16): stages", "hline": (ceiling, "HBM read ceiling")},
-        out_dir=out_dir)
+  write_sweeps(split_rows, stage_rows, meta, ceiling, stage_context, out_dir)
 
   log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
   log(f"HBM read ceiling {common.format_value(ceiling)} GB/s; timing: {meta['timing']}")
