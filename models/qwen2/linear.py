@@ -16,7 +16,7 @@ from jaxflash.linear import MAX_ROWS
 # Weights of up to this many elements go through the skinny kernel; larger ones are XLA's.
 # On the H200 at batch 1 (bench/NOTES.md) XLA lowers the 1.5B model's q/k/v and o products
 # (<= 3.1M elements) to a broadcast multiply and a reduction (2.4x slower than the kernel)
-# and its MLP products (13.8M each) to a GEMM that reads 10-25% faster than the kernel.
+# and its MLP products (13.8M each) to a GEMM that reads 7-12% faster than the kernel.
 SKINNY_MAX_WEIGHT = 1 << 23
 
 
