@@ -307,9 +307,9 @@ def with_earlier(earlier: dict | None, rows: list, split_rows: list, stage_rows:
                  meta: dict):
   """This run's rows and sweep rows plus those of the `earlier` saved run that it did not
   measure (by batch and context; sweeps by context), each dated by its run. Returns
-  (rows, meta, notes, split_rows, stage_rows); meta unchanged."""
+  (rows, notes, split_rows, stage_rows)."""
   if earlier is None:
-    return rows, meta, notes, split_rows, stage_rows
+    return rows, notes, split_rows, stage_rows
   by_shape = lambda r: (r["batch"], r["context"])
   rows, note = common.merge_earlier_rows(earlier, rows, by_shape, meta)
   rows = sorted(rows, key=lambda r: (r["batch"] != 1, r["batch"], r["context"]))
@@ -319,7 +319,7 @@ def with_earlier(earlier: dict | None, rows: list, split_rows: list, stage_rows:
   split_rows = dated([r for r in earlier.get("splits_sweep", []) if r["context"] not in swept], then) + \
       dated(split_rows, meta.get("date"))
   stage_rows = dated(stage_rows, meta.get("date")) or dated(earlier.get("paged_stages_sweep", []), then)
-  return rows, meta, notes + ([note] if note else []), split_rows, stage_rows
+  return rows, notes + ([note] if note else []), split_rows, stage_rows
 
 
 def write_sweeps(split_rows: list, stage_rows: list, meta: dict, ceiling, stage_context: int, out_dir):
@@ -432,11 +432,11 @@ def main(argv=None):
       if not isinstance(e, float) or e > 0.05:
         notes.append(f"B={batch} context={capacity} {LABELS.get(name, name)}: max abs error vs float32 = {e}")
     log("  " + ", ".join(f"{name} {common.format_value(row.get(f'{name}_gbs'))}" for name in IMPLS))
-    m_rows, _, m_notes, m_splits, m_stages = with_earlier(earlier, rows, split_rows, stage_rows, notes, meta)
+    m_rows, m_notes, m_splits, m_stages = with_earlier(earlier, rows, split_rows, stage_rows, notes, meta)
     common.write_results("decode", m_rows, meta, main_columns(), out_dir=out_dir, notes=m_notes,
                          extra={"splits_sweep": m_splits, "paged_stages_sweep": m_stages})
 
-  rows, meta, notes, split_rows, stage_rows = with_earlier(earlier, rows, split_rows, stage_rows, notes, meta)
+  rows, notes, split_rows, stage_rows = with_earlier(earlier, rows, split_rows, stage_rows, notes, meta)
 
   plot = {"x": "context", "y": [f"{n}_gbs" for n in IMPLS], "logx": True,
           "labels": {f"{n}_gbs": LABELS[n] for n in IMPLS}, "where": lambda r: r["batch"] == 1,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxflash import _checks, configs
 from jaxflash._triton import load, mask2d, pl, quiet, store, use_interpret
+from jaxflash.paged import paged_kv_write
 
 
 def _write_kernel(positions_ref, *refs, paged: bool, capacity: int, page_size: int,
@@ -100,20 +101,11 @@ def kv_cache_write(keys, values, k_new, v_new, positions, *, block_table=None,
 
 def kv_cache_write_reference(keys, values, k_new, v_new, positions, *, block_table=None):
   """The same write as an XLA scatter, for checking."""
-  batch = k_new.shape[0]
-  if block_table is None:
-    rows, slots = jnp.arange(batch), positions
-    capacity = keys.shape[1]
-    keep = (positions >= 0) & (positions < capacity)
-    slots = jnp.where(keep, positions, capacity)  # past the end: dropped
-    return (keys.at[rows, slots].set(k_new.astype(keys.dtype), mode="drop"),
-            values.at[rows, slots].set(v_new.astype(values.dtype), mode="drop"))
-  num_pages, page_size = keys.shape[:2]
-  max_pages = block_table.shape[1]
-  logical = positions // page_size
-  keep = (positions >= 0) & (logical < max_pages)
-  page = block_table[jnp.arange(batch), jnp.clip(logical, 0, max_pages - 1)]
-  keep &= (page >= 0) & (page < num_pages)
-  page = jnp.where(keep, page, num_pages)
-  return (keys.at[page, positions % page_size].set(k_new.astype(keys.dtype), mode="drop"),
-          values.at[page, positions % page_size].set(v_new.astype(values.dtype), mode="drop"))
+  k_new, v_new = k_new.astype(keys.dtype), v_new.astype(values.dtype)
+  if block_table is not None:  # paged_kv_write drops the same tokens
+    return paged_kv_write(keys, values, block_table, positions, k_new[:, None], v_new[:, None])
+  capacity = keys.shape[1]
+  rows = jnp.arange(k_new.shape[0])
+  in_cache = (positions >= 0) & (positions < capacity)
+  slots = jnp.where(in_cache, positions, capacity)  # past the end: dropped by mode="drop"
+  return (keys.at[rows, slots].set(k_new, mode="drop"), values.at[rows, slots].set(v_new, mode="drop"))
