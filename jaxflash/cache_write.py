@@ -25,30 +25,66 @@ def _write_kernel(positions_ref, *refs, paged: bool, capacity: int, page_size: i
   """Program b: k_new[b], v_new[b] [K, H] -> row positions[b] of sequence b's cache.
 
   refs: (block_table [B, max_pages] if paged), k_new, v_new [B, K, H], keys, values (the
-  inputs, aliased to the outputs and not read), keys_out, values_out.
+  caches as rows [R, K, H]: inputs aliased to the outputs and not read), keys_out, values_out.
   """
   if paged:
     table_ref, k_new_ref, v_new_ref, _, _, k_out_ref, v_out_ref = refs
   else:
-    k_new_ref, v_new_ref, _, _, k_out_ref, v_out_ref = refs
+    table_ref, (k_new_ref, v_new_ref, _, _, k_out_ref, v_out_ref) = None, refs
   b = pl.program_id(0)
-  pos = load(positions_ref.at[b])
-  if paged:
-    max_pages = table_ref.shape[1]
-    logical = pos // page_size
-    valid = (pos >= 0) & (logical < max_pages)
-    page = load(table_ref.at[b, jnp.clip(logical, 0, max_pages - 1)])
-    valid &= (page >= 0) & (page < capacity)
-    index = (jnp.clip(page, 0, capacity - 1), pos % page_size)
-  else:
-    valid = (pos >= 0) & (pos < capacity)
-    index = (b, jnp.clip(pos, 0, capacity - 1))
+  row, valid = cache_rows(positions_ref, table_ref if paged else None, b, capacity=capacity,
+                          page_size=page_size)
   heads_p, dim_p = pl.next_power_of_2(kv_heads), configs.padded_head_dim(head_dim)
   heads, dims = pl.ds(0, heads_p), pl.ds(0, dim_p)
   in_range = mask2d(jnp.arange(heads_p) < kv_heads, jnp.arange(dim_p) < head_dim, (heads_p, dim_p))
   for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
-    row = load(new_ref.at[b, heads, dims], mask=in_range, other=0.0)
-    store(out_ref.at[(*index, heads, dims)], row.astype(out_ref.dtype), mask=in_range & valid)
+    new = load(new_ref.at[b, heads, dims], mask=in_range, other=0.0)
+    store(out_ref.at[row, heads, dims], new.astype(out_ref.dtype), mask=in_range & valid)
+
+
+def check_cache_target(keys, values, new_shape: tuple, batch: int, positions, block_table):
+  """Checks a one-token-per-sequence write of [K, H] rows (`new_shape`) for `batch`
+  sequences into keys/values (contiguous [B, S, K, H] or pools [P, page, K, H] with
+  block_table [B, max_pages]); returns (positions, block_table) as int32."""
+  for name, x in (("keys", keys), ("values", values)):
+    _checks.check_float(name, x)
+  if keys.ndim != 4 or keys.shape != values.shape:
+    raise ValueError(f"keys and values must be [B, S, K, H] caches or [P, page, K, H] pools of one "
+                     f"shape, got keys {tuple(keys.shape)} and values {tuple(values.shape)}")
+  if tuple(new_shape) != tuple(keys.shape[2:]):
+    raise ValueError(f"the new keys and values are [B, K, H] with B={batch}, [K, H] = "
+                     f"{tuple(new_shape)}, but the caches hold [K, H] = {tuple(keys.shape[2:])} "
+                     f"(keys {tuple(keys.shape)})")
+  positions = _checks.check_lengths("positions", positions, batch)
+  if positions is None:
+    raise ValueError(f"positions [B] = ({batch},) are needed with a cache to write to")
+  if block_table is not None:
+    block_table = _checks.check_block_table(block_table, batch)
+    _checks.check_page_size(keys.shape[1])
+  elif keys.shape[0] != batch:
+    raise ValueError(f"a contiguous cache holds one row per sequence: keys {tuple(keys.shape)} "
+                     f"for {batch} new tokens")
+  return positions, block_table
+
+
+def cache_rows(positions_ref, table_ref, batch_rows, *, capacity: int, page_size: int):
+  """Where token positions[b] of sequence b goes in the cache viewed as rows [R, K, H]
+  (contiguous [B, S, K, H] -> [B * S, K, H]; a pool [P, page, K, H] -> [P * page, K, H]).
+
+  batch_rows: int32 vector of sequence indices b (a vector of them, or a scalar); returns
+  (row, ok) of its shape: `ok` is False for a write that is dropped (a negative position,
+  one past the cache or the table, a table entry outside the pool); `row` is then clamped.
+  """
+  pos = load(positions_ref.at[batch_rows])
+  if table_ref is None:  # capacity = S
+    ok = (pos >= 0) & (pos < capacity)
+    return batch_rows * capacity + jnp.clip(pos, 0, capacity - 1), ok
+  max_pages = table_ref.shape[1]  # capacity = pages in the pool
+  logical = pos // page_size
+  ok = (pos >= 0) & (logical < max_pages)
+  page = load(table_ref.at[batch_rows, jnp.clip(logical, 0, max_pages - 1)])
+  ok &= (page >= 0) & (page < capacity)
+  return jnp.clip(page, 0, capacity - 1) * page_size + pos % page_size, ok
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -63,40 +99,33 @@ def kv_cache_write(keys, values, k_new, v_new, positions, *, block_table=None,
   the updated (keys, values); with them donated under jit the write is in place.
   interpret: Pallas interpret mode (default: when no GPU).
   """
-  for name, x in (("keys", keys), ("values", values), ("k_new", k_new), ("v_new", v_new)):
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
     _checks.check_float(name, x)
-  if keys.ndim != 4 or keys.shape != values.shape:
-    raise ValueError(f"keys and values must be [B, S, K, H] caches or [P, page, K, H] pools of one "
-                     f"shape, got keys {tuple(keys.shape)} and values {tuple(values.shape)}")
-  kv_heads, head_dim = keys.shape[2:]
-  if k_new.shape != v_new.shape or k_new.ndim != 3 or k_new.shape[1:] != (kv_heads, head_dim):
-    raise ValueError(f"k_new and v_new must be [B, K={kv_heads}, H={head_dim}], got k_new "
-                     f"{tuple(k_new.shape)} and v_new {tuple(v_new.shape)}")
+  if k_new.shape != v_new.shape or k_new.ndim != 3:
+    raise ValueError(f"k_new and v_new must be [B, K, H] of one shape, got k_new {tuple(k_new.shape)} "
+                     f"and v_new {tuple(v_new.shape)}")
   batch = k_new.shape[0]
-  positions = _checks.check_lengths("positions", positions, batch)
+  positions, block_table = check_cache_target(keys, values, k_new.shape[1:], batch, positions, block_table)
   paged = block_table is not None
-  if paged:
-    block_table = _checks.check_block_table(block_table, batch)
-    _checks.check_page_size(keys.shape[1])
-  elif keys.shape[0] != batch:
-    raise ValueError(f"a contiguous cache holds one row per sequence: keys {tuple(keys.shape)} "
-                     f"for k_new {tuple(k_new.shape)}")
+  kv_heads, head_dim = keys.shape[2:]
   if batch == 0:
     return keys, values
   kernel = functools.partial(_write_kernel, paged=paged, capacity=keys.shape[0 if paged else 1],
                              page_size=keys.shape[1], kv_heads=kv_heads, head_dim=head_dim)
-  operands = (positions, *((block_table,) if paged else ()), k_new, v_new, keys, values)
+  rows = keys.reshape(-1, kv_heads, head_dim), values.reshape(-1, kv_heads, head_dim)  # bitcasts
+  operands = (positions, *((block_table,) if paged else ()), k_new, v_new, *rows)
   first_cache = len(operands) - 2
   with quiet():
-    return pl.pallas_call(
+    keys_out, values_out = pl.pallas_call(
         kernel,
         grid=(batch,),
-        out_shape=(jax.ShapeDtypeStruct(keys.shape, keys.dtype),
-                   jax.ShapeDtypeStruct(values.shape, values.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(rows[0].shape, keys.dtype),
+                   jax.ShapeDtypeStruct(rows[1].shape, values.dtype)),
         input_output_aliases={first_cache: 0, first_cache + 1: 1},
         interpret=use_interpret(interpret),
         name="jaxflash_kv_cache_write",
     )(*operands)
+  return keys_out.reshape(keys.shape), values_out.reshape(values.shape)
 
 
 def kv_cache_write_reference(keys, values, k_new, v_new, positions, *, block_table=None):

@@ -137,6 +137,9 @@ def _contiguous_tile(block_k: int, head_dim_p: int):
   return tile_index
 
 
+COMBINE_BLOCK_H = 32  # head dims per combine program: more, smaller programs finish sooner
+
+
 def _combine_kernel(
     o_part_ref,  # [B, num_splits, N, H] f32, each chunk's normalised output
     lse_part_ref,  # [B, num_splits, N] f32, each chunk's log2-sum-exp (-inf: empty chunk)
@@ -145,28 +148,33 @@ def _combine_kernel(
     *,
     num_splits: int,
     head_dim: int,
+    block_h: int,
 ):
-  """Merges the chunks of one (sequence, query head): the article's `decode_combine`.
+  """Merges the chunks of one (sequence, query head) over dims j*block_h..: the article's
+  `decode_combine`.
 
   Chunk i holds the share exp(LSE_i - LSE) of the softmax mass, so the exact output is the
   sum of the chunks' normalised outputs weighted by those shares.
   """
-  b, n = pl.program_id(0), pl.program_id(1)
+  b, n, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   splits_p = max(2, 1 << (num_splits - 1).bit_length())
-  head_dim_p = configs.padded_head_dim(head_dim)
   split_ok = jnp.arange(splits_p) < num_splits
-  col_ok = jnp.arange(head_dim_p) < head_dim
+  col_ok = (j * block_h + jnp.arange(block_h)) < head_dim
+  dims = pl.ds(j * block_h, block_h)
   lse = load(lse_part_ref.at[b, pl.ds(0, splits_p), n], mask=split_ok, other=NEG_INF)
   m = jnp.max(lse)
   m = jnp.where(m == NEG_INF, 0.0, m)  # every chunk empty (length 0): weights 0, not NaN
   w = jnp.exp2(lse - m)  # [splits_p]
   total = jnp.sum(w)
-  o = load(o_part_ref.at[b, pl.ds(0, splits_p), n, pl.ds(0, head_dim_p)],
-           mask=split_ok[:, None] & col_ok[None, :], other=0.0)
+  o = load(o_part_ref.at[b, pl.ds(0, splits_p), n, dims], mask=split_ok[:, None] & col_ok[None, :],
+           other=0.0)
   out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(total > 0.0, total, 1.0)
-  store(o_ref.at[b, n, pl.ds(0, head_dim_p)], out.astype(o_ref.dtype), mask=col_ok)
-  lse_ref[b, n] = jnp.where(total > 0.0, (m + jnp.log2(jnp.where(total > 0.0, total, 1.0))) * LN_2,
-                            NEG_INF)
+  store(o_ref.at[b, n, dims], out.astype(o_ref.dtype), mask=col_ok)
+
+  @pl.when(j == 0)
+  def _():
+    lse_ref[b, n] = jnp.where(total > 0.0, (m + jnp.log2(jnp.where(total > 0.0, total, 1.0))) * LN_2,
+                              NEG_INF)
 
 
 # --------------------------------------------------------------------------------------
@@ -255,17 +263,19 @@ def _combine(o_part, lse_part, *, out_dtype, interpret: bool):
 
   A Pallas kernel rather than plain JAX: a max, then a weighted sum over the chunks would
   otherwise be two or three XLA reductions, each a launch of its own; this is one launch
-  that reads the few kilobytes of partials once, next to a split kernel that takes tens of
-  microseconds even at long contexts.
+  that reads the few kilobytes of partials once. Its time is latency: one program per
+  (sequence, head, 32 dims) with one warp each ends ~0.5 us sooner on the H200 than one
+  per (sequence, head) with two warps (bench/NOTES.md).
   """
   batch, splits, num_heads, head_dim = o_part.shape
+  block_h = min(COMBINE_BLOCK_H, configs.padded_head_dim(head_dim))
   with quiet():
     return pl.pallas_call(
-        functools.partial(_combine_kernel, num_splits=splits, head_dim=head_dim),
-        grid=(batch, num_heads),
+        functools.partial(_combine_kernel, num_splits=splits, head_dim=head_dim, block_h=block_h),
+        grid=(batch, num_heads, pl.cdiv(head_dim, block_h)),
         out_shape=[jax.ShapeDtypeStruct((batch, num_heads, head_dim), out_dtype),
                    jax.ShapeDtypeStruct((batch, num_heads), jnp.float32)],
-        compiler_params=CompilerParams(num_warps=2, num_stages=1),
+        compiler_params=CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jaxflash_decode_combine",
     )(o_part, lse_part)

@@ -12,10 +12,15 @@ fp32 partial sums are added by an XLA reduction that fuses into whatever consume
 product (a bias add, a residual add), so it costs no launch of its own there. Several
 weights that multiply the same x (q, k and v) share one launch: their column blocks are
 laid side by side in the grid, and each program reads the weight its block belongs to.
+Given an RMSNorm's scale, the kernel multiplies x * scale instead and also sums x^2 over its
+K chunk, so that a following kernel can finish the norm (`skinny_matmul_partials`, used by
+jaxflash/qkv.py).
 
-Larger products are XLA's: at the 1.5B model's MLP shapes (1536 x 17920 and 8960 x 1536,
-batch 1, cold weights) XLA's GEMM reads at 3.1-3.7 TB/s on the H200, this kernel at
-2.8-3.4 (bench/NOTES.md), so the model sends only the smaller weights here.
+Wide products are better left to XLA: at the 1.5B model's gate and up shapes (1536 x 17920
+merged, batch 1, cold weights) XLA's GEMM reads at 3.3-3.7 TB/s on the H200, this kernel at
+up to 3.4. Tall ones are not: XLA splits the down projection's K (8960 x 1536) 16 ways and
+adds a reduction kernel, 10.9 us in the model's step against this kernel's 8.7
+(bench/NOTES.md; models/qwen2/linear.py routes by that).
 """
 from __future__ import annotations
 
@@ -46,9 +51,15 @@ class LinearConfig:
 
 
 def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: int, block_n: int,
-                  block_k: int, chunk_tiles: int, partial: bool, precision):
+                  block_k: int, chunk_tiles: int, partial: bool, precision, scale_ref=None,
+                  sum_sq_ref=None):
   """Column block j of one weight over K chunk s: x_ref [M, K]; w_ref [K, N]; o_ref [M, N]
-  (one chunk) or [splits, M, N] fp32 partials."""
+  (one chunk) or [splits, M, N] fp32 partials.
+
+  With `scale_ref` [K] (an RMSNorm's weight) the product is (x * scale) @ w and the
+  chunk's sum of x^2 per row goes to `sum_sq_ref` [splits, M] (when given), the two
+  halves of an RMSNorm that the caller finishes (jaxflash/qkv.py).
+  """
   row_ok = jnp.arange(MAX_ROWS) < rows
   cols = j * block_n + jnp.arange(block_n)
   col_ok = None if n_size % block_n == 0 else cols < n_size  # static: no mask when N divides
@@ -57,45 +68,58 @@ def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: 
   num_full = lax.div(end - first, block_k)
   num_tiles = lax.div(end - first + block_k - 1, block_k)
 
-  def body(i, acc, *, masked: bool):
+  def body(i, carry, *, masked: bool):
+    acc, sum_sq = carry
     k0 = first + i * block_k
     k_ok = (k0 + jnp.arange(block_k)) < k_size if masked else None
     x = load_masked(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)], mask2d(row_ok, k_ok))
+    if scale_ref is not None:
+      x = x.astype(jnp.float32)
+      sum_sq = sum_sq + jnp.sum(x * x, axis=1)
+      x = x * load_masked(scale_ref.at[pl.ds(k0, block_k)], k_ok).astype(jnp.float32)[None, :]
     w_mask = mask2d(k_ok, col_ok)
     w = load_masked(w_ref.at[pl.ds(k0, block_k), pl.ds(j * block_n, block_n)], w_mask)
-    return acc + dot(x.astype(w.dtype), w, precision=precision)  # [16, block_n] f32
+    return acc + dot(x.astype(w.dtype), w, precision=precision), sum_sq  # [16, block_n] f32
 
   # Whole tiles unmasked; only the last tile of K, if ragged, pays for masks.
-  acc = jnp.zeros((MAX_ROWS, block_n), jnp.float32)
-  acc = lax.fori_loop(0, num_full, functools.partial(body, masked=False), acc)
-  acc = lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), acc)
+  carry = (jnp.zeros((MAX_ROWS, block_n), jnp.float32), jnp.zeros((MAX_ROWS,), jnp.float32))
+  carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
+  acc, sum_sq = lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
   out_mask = mask2d(row_ok, col_ok)
   columns = pl.ds(j * block_n, block_n)
   if partial:
     store(o_ref.at[s, pl.ds(0, MAX_ROWS), columns], acc, mask=out_mask)
   else:
     store(o_ref.at[pl.ds(0, MAX_ROWS), columns], acc.astype(o_ref.dtype), mask=out_mask)
+  if sum_sq_ref is not None:
+    pl.when(j == 0)(lambda: store(sum_sq_ref.at[s, pl.ds(0, MAX_ROWS)], sum_sq, mask=row_ok))
 
 
-def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, **block):
+def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, normed: bool, **block):
   """Program (j, s): output column block j of the weights laid side by side (the first
   weight's blocks, then the second's...), over K tiles s*chunk_tiles.. .
 
-  x_ref [M, K]; refs = the weights [K, N_i], then their outputs.
+  x_ref [M, K]; refs = (the RMSNorm scale [K] if `normed`), the weights [K, N_i], their
+  outputs, (and the sums of squares [splits, M] if `normed`).
   """
-  w_refs, o_refs = refs[:len(widths)], refs[len(widths):]
+  scale_ref, refs = (refs[0], refs[1:]) if normed else (None, refs)
+  w_refs, o_refs = refs[:len(widths)], refs[len(widths):2 * len(widths)]
+  sum_sq_ref = refs[-1] if normed else None
   # Program ids are read here, outside the branches: interpret mode resolves them only at
   # the kernel's top level.
   j, s = pl.program_id(0), pl.program_id(1)
   if len(widths) == 1:
-    _column_block(x_ref, w_refs[0], o_refs[0], j, s, n_size=widths[0], block_n=block_n, **block)
+    _column_block(x_ref, w_refs[0], o_refs[0], j, s, n_size=widths[0], block_n=block_n,
+                  scale_ref=scale_ref, sum_sq_ref=sum_sq_ref, **block)
     return
   first_block = 0
-  for w_ref, o_ref, n_size in zip(w_refs, o_refs, widths):
+  for index, (w_ref, o_ref, n_size) in enumerate(zip(w_refs, o_refs, widths)):
     blocks = pl.cdiv(n_size, block_n)
     is_mine = (j >= first_block) & (j < first_block + blocks)
+    # The first weight's programs write the sums of squares (each chunk's, once).
     pl.when(is_mine)(functools.partial(_column_block, x_ref, w_ref, o_ref, j - first_block, s,
-                                       n_size=n_size, block_n=block_n, **block))
+                                       n_size=n_size, block_n=block_n, scale_ref=scale_ref,
+                                       sum_sq_ref=sum_sq_ref if index == 0 else None, **block))
     first_block += blocks
 
 
@@ -159,18 +183,31 @@ def skinny_matmul(x, w, *, config: LinearConfig | None = None, interpret: bool |
 
 def _launch(x, weights: tuple, widths: tuple, config: LinearConfig, out_dtype, interpret: bool):
   """The pallas_call over x [M, K] and weights [K, N_i] -> outputs [M, N_i]."""
+  outs, _ = _pallas_call(x, weights, widths, config, out_dtype, interpret)
+  if outs[0].ndim == 3:  # K chunks: their sum fuses into the consumer's elementwise kernel
+    outs = tuple(out.sum(axis=0).astype(out_dtype) for out in outs)
+  return outs
+
+
+def _pallas_call(x, weights: tuple, widths: tuple, config: LinearConfig, out_dtype, interpret: bool,
+                 norm_scale=None, force_partial: bool = False):
+  """(outputs [M, N_i], or fp32 partials [splits, M, N_i] when K is chunked or
+  `force_partial`; sums of x^2 per chunk [splits, M] when `norm_scale`, else None)."""
   rows, k_size = x.shape
   n_blocks = sum(pl.cdiv(n, config.block_n) for n in widths)
   chunk_tiles, splits = k_chunks(config, n_blocks * config.block_n, k_size,
                                  device_lib.device_info().sm_count)
-  partial = splits > 1
-  out_shapes = tuple(jax.ShapeDtypeStruct((splits, rows, n) if partial else (rows, n),
-                                          jnp.float32 if partial else out_dtype) for n in widths)
+  partial = splits > 1 or force_partial
+  out_shapes = [jax.ShapeDtypeStruct((splits, rows, n) if partial else (rows, n),
+                                     jnp.float32 if partial else out_dtype) for n in widths]
+  if norm_scale is not None:
+    out_shapes.append(jax.ShapeDtypeStruct((splits, rows), jnp.float32))
   fp32 = jnp.dtype(weights[0].dtype) == jnp.float32
   kernel = functools.partial(
       _skinny_kernel, widths=widths, rows=rows, k_size=k_size, block_n=config.block_n,
-      block_k=config.block_k, chunk_tiles=chunk_tiles, partial=partial,
+      block_k=config.block_k, chunk_tiles=chunk_tiles, partial=partial, normed=norm_scale is not None,
       precision=lax.Precision.HIGHEST if fp32 else None)
+  inputs = (x, *weights) if norm_scale is None else (x, norm_scale, *weights)
   with quiet():
     outs = pl.pallas_call(
         kernel,
@@ -179,10 +216,19 @@ def _launch(x, weights: tuple, widths: tuple, config: LinearConfig, out_dtype, i
         compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="jaxflash_skinny_matmul",
-    )(x, *weights)
-  if partial:  # the chunks' sum fuses into the consumer's elementwise kernel
-    outs = tuple(out.sum(axis=0).astype(out_dtype) for out in outs)
-  return outs
+    )(*inputs)
+  if norm_scale is None:
+    return tuple(outs), None
+  return tuple(outs[:-1]), outs[-1]
+
+
+def skinny_matmul_partials(x, weights: tuple, norm_scale, *, config: LinearConfig, interpret: bool):
+  """The kernel's raw output for x [M, K] (M <= 16) times (x * norm_scale) @ w_i: fp32
+  partial products [splits, M, N_i] of the K chunks, and the chunks' sums of x^2 [splits, M]
+  (for the caller to finish an RMSNorm: rms_norm(x) @ w = rsqrt(sum / K + eps) * sum of
+  the partials). Unchecked: for jaxflash's fused kernels (jaxflash/qkv.py)."""
+  return _pallas_call(x, tuple(weights), tuple(int(w.shape[1]) for w in weights), config,
+                      jnp.float32, interpret, norm_scale=norm_scale, force_partial=True)
 
 
 def skinny_matmul_reference(x, w):

@@ -100,7 +100,8 @@ def test_donated_cache_is_updated_in_place():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(k_new=(2, 3, 16)), ValueError, r"k_new and v_new must be \[B, K=2, H=16\].*\(2, 3, 16\)"),
+    (dict(k_new=(2, 3, 16)), ValueError, r"k_new and v_new must be \[B, K, H\] of one shape.*\(2, 3, 16\)"),
+    (dict(k_new=(2, 3, 16), v_new=(2, 3, 16)), ValueError, r"\[K, H\] = \(3, 16\).*caches hold \[K, H\] = \(2, 16\)"),
     (dict(keys=(2, 8, 2)), ValueError, r"keys and values must be .*\(2, 8, 2\)"),
     (dict(positions=(3,)), ValueError, r"positions must have shape \(2,\)"),
     (dict(keys=(3, 8, 2, 16), values=(3, 8, 2, 16)), ValueError, r"one row per sequence"),

@@ -95,12 +95,14 @@ def test_skinny_projections_match_xla_dots():
 
 def test_projector_routes_small_weights_to_one_skinny_launch(monkeypatch):
   """q/k/v-like weights sharing x run in ONE skinny launch, with their biases; a weight over
-  SKINNY_MAX_WEIGHT elements, or more than 16 rows, stays an XLA dot."""
+  SKINNY_MAX_WEIGHT elements, unless it is tall (K >= 4 N: a down projection), or more
+  than 16 rows, stays an XLA dot."""
   from models.qwen2 import linear as linear_module
   rngs = nnx.Rngs(0)
   q = nnx.Linear(32, 16, use_bias=True, bias_init=nnx.initializers.normal(1.0), rngs=rngs)
   k = nnx.Linear(32, 8, use_bias=True, bias_init=nnx.initializers.normal(1.0), rngs=rngs)
   big = nnx.Linear(32, 24, use_bias=False, rngs=rngs)
+  tall = nnx.Linear(128, 32, use_bias=False, rngs=rngs)  # 4096 elements, K = 4 N
   monkeypatch.setattr(linear_module, "SKINNY_MAX_WEIGHT", 32 * 16)
   projector = linear_module.Projector(skinny=True)
   x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 2, 32)), jnp.float32)
@@ -110,6 +112,7 @@ def test_projector_routes_small_weights_to_one_skinny_launch(monkeypatch):
 
   assert skinny_calls(lambda x: projector.many((q, k), x, "column"), x) == 1
   assert skinny_calls(lambda x: projector(big, x, "row"), x) == 0
+  assert skinny_calls(lambda x: projector(tall, x, "row"), jnp.zeros((1, 2, 128))) == 1
   assert skinny_calls(lambda x: projector.many((q, k), x, "column"), jnp.zeros((17, 32))) == 0
   with jax.default_matmul_precision("highest"):
     for out, layer in zip(projector.many((q, k), x, "column"), (q, k)):
@@ -253,34 +256,65 @@ def test_decode_step_returns_its_inputs_buffers(model):
   assert aliased.count("may-alias") + aliased.count("must-alias") == len(after)
 
 
+@pytest.mark.parametrize("fused_qkv", [True, False], ids=["in_qkv_finish", "kv_cache_write"])
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
-def test_cache_write_kernel_matches_the_scatter(model, cache):
-  """Decode steps write new keys/values with jaxflash.kv_cache_write: the same tokens as
-  XLA's scatter, and the compiled step copies no cache-sized buffer (written in place)."""
+def test_cache_write_kernel_matches_the_scatter(model, cache, fused_qkv):
+  """Decode steps write new keys/values with a kernel (jaxflash.qkv_projection's finishing
+  kernel, or jaxflash.kv_cache_write without the fused q/k/v): the same tokens as XLA's
+  scatter, and the compiled step copies no cache-sized buffer (written in place)."""
   prompts = _prompts()
   run = lambda: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache=cache,
                                page_size=8)
-  with_kernel = run()
-  model.cache_write_kernel = False
+  model.fused_qkv = fused_qkv
   try:
-    assert run() == with_kernel
+    with_kernel = run()
+    model.cache_write_kernel = False
+    try:
+      assert run() == with_kernel
+    finally:
+      model.cache_write_kernel = True
+    sampler = qwen2.Sampler(model, cache=cache, attention_impl="xla", page_size=8)
+    kv = sampler.make_cache(2, 32)
+    eos = jnp.asarray([-1], jnp.int32)
+    state = sampler.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32), jnp.asarray([3, 2], jnp.int32),
+                            kv, jax.random.key(0), eos, SamplingParams())
+    step = lambda *args: sampler.steps.decode(*args, sampling=SamplingParams(),
+                                               attention_impl=sampler.attention_impl)
+    jaxpr = str(jax.make_jaxpr(step)(sampler.params, *state, eos))
+    writer = "jaxflash_qkv_finish" if fused_qkv else "jaxflash_kv_cache_write"
+    assert writer in jaxpr and "scatter" not in jaxpr
+    lowered = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=SamplingParams(),
+                                         attention_impl=sampler.attention_impl)
   finally:
-    model.cache_write_kernel = True
-  sampler = qwen2.Sampler(model, cache=cache, attention_impl="xla", page_size=8)
-  kv = sampler.make_cache(2, 32)
-  eos = jnp.asarray([-1], jnp.int32)
-  state = sampler.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32), jnp.asarray([3, 2], jnp.int32),
-                          kv, jax.random.key(0), eos, SamplingParams())
-  step = lambda *args: sampler.steps.decode(*args, sampling=SamplingParams(),
-                                             attention_impl=sampler.attention_impl)
-  assert "jaxflash_kv_cache_write" in str(jax.make_jaxpr(step)(sampler.params, *state, eos))
-  lowered = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=SamplingParams(),
-                                       attention_impl=sampler.attention_impl)
+    model.fused_qkv = True
   layer_cache = kv.layer(0).keys
   shape = f"[{','.join(map(str, layer_cache.shape))}]"
   copies = [l for l in lowered.compile().as_text().splitlines()
             if " copy(" in l and shape in l.split("=", 1)[1].split("(", 1)[0]]
   assert not copies, copies
+
+
+def test_fused_qkv_matches_the_separate_steps(model):
+  """Decode-sized inputs (<= 16 rows) take jaxflash.qkv_projection, two kernels for the
+  pre-attention RMSNorm, q/k/v, biases and RoPE: the same logits as those steps apart, the
+  same generated tokens, and larger inputs never take it."""
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, model.config.vocab_size, (2, 7)))  # 14 rows
+  call = lambda t: model(t, attention_impl="xla")
+  assert "jaxflash_qkv_finish" in str(jax.make_jaxpr(call)(ids))
+  wide = jnp.concatenate([ids, ids, ids], axis=1)  # 42 rows
+  assert "jaxflash_qkv_finish" not in str(jax.make_jaxpr(call)(wide))
+  prompts = _prompts()
+  run = lambda: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache="paged", page_size=8)
+  with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
+    fused_logits, fused_tokens = call(ids), run()
+    model.fused_qkv = False
+    try:
+      assert "jaxflash_qkv_finish" not in str(jax.make_jaxpr(call)(ids))
+      apart_logits, apart_tokens = call(ids), run()
+    finally:
+      model.fused_qkv = True
+  np.testing.assert_allclose(np.asarray(fused_logits), np.asarray(apart_logits), rtol=2e-5, atol=2e-5)
+  assert fused_tokens == apart_tokens
 
 
 def test_finished_sequences_return_their_pages(model):

@@ -59,24 +59,32 @@ class Attention(nnx.Module):
     self.o_proj = nnx.Linear(num_heads * head_dim, hidden_size, use_bias=False, **dense)
 
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], lengths: jax.Array | None,
-               kv: LayerKV | None = None, *, attention_impl: str | None = None,
+               kv: LayerKV | None = None, *, norm=None, attention_impl: str | None = None,
                projector: Projector = Projector()) -> tuple[jax.Array, LayerKV | None]:
-    """x [B, T, hidden]; rope = (cos, sin) [B, T, head_dim/2]; lengths [B] valid new tokens
-    per row (None: all T). With `kv`, the new keys/values are written to it and the
-    updated LayerKV is returned; with T > 1 the cache must not hold earlier tokens of these
-    sequences (prefill from scratch: the prompt attends to itself only). `projector`: how the
-    projections multiply (models/qwen2/linear.py)."""
+    """x [B, T, hidden], or norm(x) the input when `norm` (an RMSNorm) is given; rope =
+    (cos, sin) [B, T, head_dim/2]; lengths [B] valid new tokens per row (None: all T). With
+    `kv`, the new keys/values are written to it and the updated LayerKV is returned; with
+    T > 1 the cache must not hold earlier tokens of these sequences (prefill from scratch:
+    the prompt attends to itself only). `projector`: how the projections multiply
+    (models/qwen2/linear.py)."""
     batch, steps, _ = x.shape
+    layers = (self.q_proj, self.k_proj, self.v_proj)
+    new_lengths = jnp.full((batch,), steps, jnp.int32) if lengths is None else lengths
     with jax.named_scope("qkv_projection"):
-      q, k, v = projector.many((self.q_proj, self.k_proj, self.v_proj), x, "column")
+      fused = None if norm is None else projector.qkv(norm, layers, x, rope, self.head_dim, kv, new_lengths)
+      if fused is None:
+        q, k, v = projector.many(layers, x if norm is None else norm(x), "column")
+      else:
+        q, k, v, kv = fused  # k, v None: the kernel wrote them into kv's cache
       q = q.reshape(batch, steps, self.num_heads, self.head_dim)
-      k = k.reshape(batch, steps, self.num_kv_heads, self.head_dim)
-      v = v.reshape(batch, steps, self.num_kv_heads, self.head_dim)
-    with jax.named_scope("rope"):
-      q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+      if k is not None:
+        k = k.reshape(batch, steps, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, steps, self.num_kv_heads, self.head_dim)
+    if fused is None:
+      with jax.named_scope("rope"):
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
-    if kv is not None:
-      new_lengths = jnp.full((batch,), steps, jnp.int32) if lengths is None else lengths
+    if kv is not None and k is not None:
       with jax.named_scope("kv_cache_write"):
         kv = kv.write(k, v, new_lengths)
 

@@ -29,7 +29,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x: jax.Array, rope, lengths, kv: LayerKV | None = None, *,
                attention_impl: str | None = None, projector: Projector = Projector()
                ) -> tuple[jax.Array, LayerKV | None]:
-    attended, kv = self.attention(self.pre_attention_norm(x), rope, lengths, kv,
+    attended, kv = self.attention(x, rope, lengths, kv, norm=self.pre_attention_norm,
                                   attention_impl=attention_impl, projector=projector)
     x = x + attended
     x = x + self.mlp(self.pre_mlp_norm(x), projector=projector)

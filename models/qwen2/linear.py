@@ -13,11 +13,15 @@ import jaxflash
 from jaxflash.linear import MAX_ROWS
 
 
-# Weights of up to this many elements go through the skinny kernel; larger ones are XLA's.
-# On the H200 at batch 1 (bench/NOTES.md) XLA lowers the 1.5B model's q/k/v and o products
-# (<= 3.1M elements) to a broadcast multiply and a reduction (2.4x slower than the kernel)
-# and its MLP products (13.8M each) to a GEMM that reads 7-12% faster than the kernel.
+# Weights of up to this many elements go through the skinny kernel, and so do tall ones
+# (K >= SKINNY_MIN_ASPECT * N: a long sum into few outputs); other large ones are XLA's. On
+# the H200 at batch 1 (bench/NOTES.md) XLA lowers the 1.5B model's q/k/v and o products
+# (<= 3.1M elements) to a broadcast multiply and a reduction (2.4x slower than the kernel),
+# its down projection (8960 x 1536) to a GEMM split 16 ways over K plus a reduction kernel
+# (10.8 us in the step against the kernel's 8.7), and gate and up (1536 x 8960 each,
+# merged by XLA) to a GEMM that reads 7-12% faster than the kernel.
 SKINNY_MAX_WEIGHT = 1 << 23
+SKINNY_MIN_ASPECT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +29,7 @@ class Projector:
   """How the layers of one forward pass multiply by their weights.
 
   With `skinny`, at most 16 rows (a decode step of up to 16 sequences) and a weight of at
-  most SKINNY_MAX_WEIGHT elements, a product runs through `jaxflash.skinny_matmul`, which
+  most SKINNY_MAX_WEIGHT elements (or a tall one), a product runs through `jaxflash.skinny_matmul`, which
   reads the weight once where XLA's lowering of small products reads it three times
   (jaxflash/linear.py); the bias add and the kernel's partial sums fuse into one XLA
   kernel. On a model split over devices (`tensor_parallel`) each device multiplies its
@@ -34,6 +38,7 @@ class Projector:
 
   skinny: bool = False
   tensor_parallel: Any = None  # a models.qwen2.parallel.TensorParallel, or None
+  fused_qkv: bool = False  # with `skinny`: norm, q/k/v, bias and RoPE in one kernel (`qkv`)
 
   def __call__(self, layer: nnx.Linear, x: jax.Array, split: str) -> jax.Array:
     """layer(x); `split` ("column" or "row") names how a split model shards the weight."""
@@ -52,7 +57,38 @@ class Projector:
     return tuple(out if layer.bias is None else out + layer.bias[...].astype(dtype)
                  for layer, out in zip(layers, outs))
 
+  def qkv(self, norm, layers: tuple[nnx.Linear, nnx.Linear, nnx.Linear], x: jax.Array, rope,
+          head_dim: int, kv=None, new_lengths=None):
+    """(q, k, v, kv): RoPE'd q and k and plain v of norm(x) from `jaxflash.qkv_projection`,
+    two kernels in place of the RMSNorm's two, the product's and three for bias and RoPE;
+    None when this projector does not take that path (then: norm, `many`, RoPE, as usual).
+
+    norm: the models.qwen2.norm.RMSNorm before the projections; rope: (cos, sin)
+    [B, T, head_dim/2]. Taken with `fused_qkv` and `skinny`, on one device, for at most 16
+    rows. With a decode step's LayerKV `kv` that writes with the kernel (models/qwen2/
+    cache.py), k and v go straight into its cache at kv.lengths (rows with new_lengths 0
+    write nothing): k and v come back None and kv updated; otherwise kv as given.
+    """
+    if not (self.fused_qkv and self.skinny and self.tensor_parallel is None
+            and math.prod(x.shape[:-1]) <= MAX_ROWS
+            and len({(layer.dtype, layer.kernel.dtype) for layer in layers}) == 1):
+      return None
+    dtype = layers[0].dtype or jnp.result_type(x.dtype, layers[0].kernel.dtype)
+    biases = (None if any(layer.bias is None for layer in layers)
+              else tuple(layer.bias[...].astype(dtype) for layer in layers))
+    args = (x.astype(dtype), norm.scale[...], tuple(layer.kernel[...].astype(dtype) for layer in layers),
+            biases, *rope)
+    if kv is None or not kv.write_kernel or x.shape[1] != 1:
+      return (*jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps), kv)
+    positions = jnp.where(new_lengths > 0, kv.lengths, -1)  # -1: nothing written
+    q, keys, values = jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps,
+                                              kv_cache=(kv.keys, kv.values), positions=positions,
+                                              block_table=kv.block_table)
+    return q, None, None, dataclasses.replace(kv, keys=keys, values=values)
+
   def _takes_skinny(self, layers, x) -> bool:
     return (self.skinny and math.prod(x.shape[:-1]) <= MAX_ROWS
-            and all(math.prod(layer.kernel.shape) <= SKINNY_MAX_WEIGHT for layer in layers)
+            and all(math.prod(layer.kernel.shape) <= SKINNY_MAX_WEIGHT
+                    or layer.kernel.shape[0] >= SKINNY_MIN_ASPECT * layer.kernel.shape[1]
+                    for layer in layers)
             and len({(layer.dtype, layer.kernel.dtype) for layer in layers}) == 1)

@@ -35,6 +35,9 @@ class Qwen2ForCausalLM(nnx.Module):
   # kernel, in place) instead of XLA's scatter (four small kernels). A split model keeps
   # the scatter, which XLA partitions; False: the scatter everywhere.
   cache_write_kernel = True
+  # With skinny_decode on one device: the pre-attention RMSNorm, the q/k/v products, their
+  # biases and RoPE in two kernels (jaxflash.qkv_projection) instead of six; False: apart.
+  fused_qkv = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
@@ -83,7 +86,7 @@ class Qwen2ForCausalLM(nnx.Module):
     with jax.named_scope("embed"):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
-    projector = Projector(self.skinny_decode, self.tensor_parallel)
+    projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv)
     write_kernel = self.cache_write_kernel and self.tensor_parallel is None
     layer_caches = []
     for index, layer in enumerate(self.layers):

@@ -1,0 +1,290 @@
+"""A decode step's q, k and v in two kernels: RMSNorm folded into the product, then bias and RoPE.
+
+The attention half of a decoder layer starts with small steps: RMSNorm of the residual
+stream x, the q/k/v products, their biases, and rotary embeddings on q and k. At batch 1
+the products read a few MB of weights, and XLA runs the rest as five elementwise and
+reduction kernels of ~1.3 us each, about what the weights take to read (bench/NOTES.md).
+Here it is two launches:
+
+  1. The skinny matmul (jaxflash/linear.py), K cut into chunks so every SM reads a slab of
+     the weights. RMSNorm is a per-row factor r = rsqrt(mean(x^2) + eps), so
+     rms_norm(x) @ w = r * ((x * scale) @ w): each program multiplies x * scale by its
+     slab and also sums x^2 over its chunk; it writes fp32 partial products and partial
+     sums of squares. No program waits for another.
+  2. One small program per head adds up the chunks, applies r, adds the bias and rotates
+     q and k (RoPE in the split-halves layout of Llama and Qwen: dim d of a head pairs with
+     d + head_dim/2), and stores q, k and v in x's dtype, or k and v straight into a KV
+     cache (the write `jaxflash.kv_cache_write` does, which then needs no launch of its own).
+
+On the H200 at the 1.5B model's shapes, batch 1, cold weights: 8.0 us a layer against 10.4 for
+the six launches it replaces (bench/NOTES.md).
+
+A first version did it all in one kernel with one program per slice of a head (no K
+chunks, so no second step): 64 programs streaming whole columns of the 1.5B model's
+weights took 16-18 us against 4.7 for the chunked product (bench/NOTES.md).
+
+The product runs in w's dtype with fp32 accumulation; x * scale is rounded to w's dtype for
+the tensor cores (Hugging Face rounds x * r instead: the difference is one rounding of a
+bf16 value), and everything after the product is fp32, rounded once at the store.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash import _checks
+from jaxflash import device as device_lib
+from jaxflash._triton import CompilerParams, load, load_masked, mask2d, pl, quiet, store, use_interpret
+from jaxflash.cache_write import cache_rows, check_cache_target
+from jaxflash.linear import MAX_ROWS, LinearConfig, skinny_matmul_partials
+
+MAX_SPLITS = 8  # K chunks of the product: the finishing step adds them with unrolled loads
+
+
+def _finish_head(sum_sq_ref, cos_ref, sin_ref, part_ref, b_ref, head, *, splits: int, rows: int,
+                 k_size: int, head_dim: int, eps: float, rope: bool):
+  """Head `head` of one product: the sum of the chunks, times the RMSNorm factor, plus the
+  bias, rotated -> its two halves (a1, a2), each [16, half_p] f32 (rows past M and dims
+  past head_dim/2 are padding).
+
+  sum_sq_ref [splits, M]; cos_ref/sin_ref [M, head_dim/2] f32; part_ref [splits, M, heads*H]
+  f32; b_ref [heads*H] or None.
+  """
+  half = head_dim // 2
+  half_p = _padded_half(head_dim)
+  row_ok = jnp.arange(MAX_ROWS) < rows
+  dim_ok = None if half_p == half else jnp.arange(half_p) < half
+  mask = mask2d(row_ok, dim_ok)
+  first, second = head * head_dim, head * head_dim + half  # columns of the head's two halves
+  splits_p = max(2, 1 << (splits - 1).bit_length())
+  sum_sq = load(sum_sq_ref.at[pl.ds(0, splits_p), pl.ds(0, MAX_ROWS)],
+                mask=(jnp.arange(splits_p) < splits)[:, None] & row_ok[None, :], other=0.0)
+  r = lax.rsqrt(jnp.sum(sum_sq, axis=0) / k_size + eps)[:, None]  # [16, 1] RMSNorm factor per row
+  a1 = a2 = jnp.zeros((MAX_ROWS, half_p), jnp.float32)
+  for s in range(splits):  # static: independent loads, all in flight at once
+    chunk = jnp.int32(s)  # (interpret mode's masked loads take array indices only)
+    a1 = a1 + load_masked(part_ref.at[chunk, pl.ds(0, MAX_ROWS), pl.ds(first, half_p)], mask)
+    a2 = a2 + load_masked(part_ref.at[chunk, pl.ds(0, MAX_ROWS), pl.ds(second, half_p)], mask)
+  a1, a2 = a1 * r, a2 * r
+  if b_ref is not None:
+    a1 = a1 + load_masked(b_ref.at[pl.ds(first, half_p)], dim_ok).astype(jnp.float32)[None, :]
+    a2 = a2 + load_masked(b_ref.at[pl.ds(second, half_p)], dim_ok).astype(jnp.float32)[None, :]
+  if rope:  # x1 cos - x2 sin, x2 cos + x1 sin
+    cos = load_masked(cos_ref.at[pl.ds(0, MAX_ROWS), pl.ds(0, half_p)], mask)
+    sin = load_masked(sin_ref.at[pl.ds(0, MAX_ROWS), pl.ds(0, half_p)], mask)
+    a1, a2 = a1 * cos - a2 * sin, a2 * cos + a1 * sin
+  return a1, a2
+
+
+def _padded_half(head_dim: int) -> int:
+  return max(16, 1 << (head_dim // 2 - 1).bit_length())  # Triton blocks have power-of-two sides
+
+
+def _store_head(o_ref, head, halves, *, rows: int, head_dim: int):
+  """Stores a head's two halves into o_ref [M, heads*H]."""
+  half, half_p = head_dim // 2, _padded_half(head_dim)
+  mask = mask2d(jnp.arange(MAX_ROWS) < rows, None if half_p == half else jnp.arange(half_p) < half)
+  for offset, value in zip((0, half), halves):
+    store(o_ref.at[pl.ds(0, MAX_ROWS), pl.ds(head * head_dim + offset, half_p)], value.astype(o_ref.dtype),
+          mask=mask)
+
+
+def _store_head_in_cache(cache_ref, row, ok, head, halves, *, head_dim: int):
+  """Stores a head's two halves as key (or value) head `head` of cache rows `row` [16]
+  (cache_ref: the cache as rows [R, K, H]), where `ok` [16]."""
+  half, half_p = head_dim // 2, _padded_half(head_dim)
+  dims = jnp.arange(half_p)
+  mask = mask2d(ok, None if half_p == half else dims < half)
+  # Lanes that store nothing aim one past the last row: compiled, a masked lane touches no
+  # memory; interpreted, a masked store writes the old value back to every lane's address,
+  # which must then not be a row that another lane writes.
+  row = jnp.where(ok, row, cache_ref.shape[0])
+  for offset, value in zip((0, half), halves):
+    store(cache_ref.at[row[:, None], head, offset + dims[None, :]], value.astype(cache_ref.dtype), mask=mask)
+
+
+def _finish_kernel(*refs, heads: tuple[int, int, int], has_bias: bool, cache: str | None,
+                   capacity: int, page_size: int, **head_args):
+  """Program p: head p of q, then of k, then of v.
+
+  refs: sum_sq, cos, sin, the three partial products, (bq, bk, bv if has_bias), then with a
+  `cache` ("contiguous" or "paged"): positions, (block_table if paged), keys and values
+  (rows [R, K, H], aliased to the outputs and not read); then the outputs: q, k, v, or q,
+  keys, values.
+  """
+  refs = iter(refs)
+  sum_sq_ref, cos_ref, sin_ref = next(refs), next(refs), next(refs)
+  part_refs = [next(refs) for _ in range(3)]
+  b_refs = [next(refs) for _ in range(3)] if has_bias else [None] * 3
+  if cache is not None:
+    positions_ref = next(refs)
+    table_ref = next(refs) if cache == "paged" else None
+    next(refs), next(refs)  # the caches' inputs: their outputs are the same buffers
+  q_ref, k_ref, v_ref = refs
+  rows = head_args["rows"]
+  head_dim = head_args["head_dim"]
+  # Program ids and the cache rows are computed here, outside the branches: interpret mode
+  # resolves program ids only at the kernel's top level.
+  p = pl.program_id(0)
+  if cache is not None:
+    sequences = jnp.arange(MAX_ROWS)
+    row, ok = cache_rows(positions_ref, table_ref, jnp.minimum(sequences, rows - 1), capacity=capacity,
+                         page_size=page_size)
+    ok &= sequences < rows
+
+  def finish(which, head):
+    halves = _finish_head(sum_sq_ref, cos_ref, sin_ref, part_refs[which], b_refs[which], head,
+                          rope=which < 2, **head_args)
+    o_ref = (q_ref, k_ref, v_ref)[which]
+    if which == 0 or cache is None:
+      _store_head(o_ref, head, halves, rows=rows, head_dim=head_dim)
+    else:
+      _store_head_in_cache(o_ref, row, ok, head, halves, head_dim=head_dim)
+
+  first_head = 0
+  for which, count in enumerate(heads):
+    mine = (p >= first_head) & (p < first_head + count)
+    pl.when(mine)(functools.partial(finish, which, p - first_head))
+    first_head += count
+
+
+def _check_inputs(x, norm_scale, weights, biases, cos, sin, head_dim: int):
+  for name, a in (("x", x), ("norm_scale", norm_scale), ("cos", cos), ("sin", sin)):
+    _checks.check_float(name, a)
+  if not isinstance(weights, (tuple, list)) or len(weights) != 3:
+    raise TypeError(f"weights must be a tuple (wq, wk, wv), got {type(weights).__name__}")
+  if biases is not None and (not isinstance(biases, (tuple, list)) or len(biases) != 3):
+    raise TypeError(f"biases must be a tuple (bq, bk, bv) or None, got {type(biases).__name__}")
+  if head_dim < 2 or head_dim % 2:
+    raise ValueError(f"head_dim must be even (RoPE pairs its two halves), got head_dim={head_dim}")
+  if x.ndim < 1 or x.shape[-1] == 0:
+    raise ValueError(f"x must be [..., K] with K >= 1, got x {tuple(x.shape)}")
+  k_size, rows = x.shape[-1], math.prod(x.shape[:-1])
+  if rows > MAX_ROWS:
+    raise ValueError(f"qkv_projection takes at most {MAX_ROWS} rows of x, got x {tuple(x.shape)}")
+  if tuple(norm_scale.shape) != (k_size,):
+    raise ValueError(f"norm_scale must be [K] = ({k_size},), got norm_scale {tuple(norm_scale.shape)}")
+  for name, a in (("cos", cos), ("sin", sin)):
+    if tuple(a.shape) != (*x.shape[:-1], head_dim // 2):
+      raise ValueError(f"{name} must be [..., head_dim/2] = {(*x.shape[:-1], head_dim // 2)} for x "
+                       f"{tuple(x.shape)}, got {name} {tuple(a.shape)}")
+  for name, w in zip(("wq", "wk", "wv"), weights):
+    _checks.check_float(name, w)
+    if w.ndim != 2 or w.shape[0] != k_size or w.shape[1] % head_dim or not w.shape[1]:
+      raise ValueError(f"{name} must be [K, heads * head_dim] = [{k_size}, n * {head_dim}] with "
+                       f"n >= 1, got {name} {tuple(w.shape)}")
+    if w.dtype != weights[0].dtype:
+      raise TypeError(f"wq, wk and wv must share a dtype, got {[jnp.dtype(w.dtype).name for w in weights]}")
+  for name, b, w in zip(("bq", "bk", "bv"), biases or (), weights):
+    _checks.check_float(name, b)
+    if tuple(b.shape) != (w.shape[1],):
+      raise ValueError(f"{name} must be [{w.shape[1]}] to match its weight, got {name} {tuple(b.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("head_dim", "eps", "config", "interpret"))
+def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, eps: float = 1e-6,
+                   kv_cache=None, positions=None, block_table=None, config: LinearConfig | None = None,
+                   interpret: bool | None = None):
+  """q, k, v of a decode step: rope(rms_norm(x) @ wq + bq), rope(rms_norm(x) @ wk + bk),
+  rms_norm(x) @ wv + bv, in two kernel launches.
+
+  x [..., K] with at most 16 rows in all (one token per sequence); norm_scale [K] (the
+  RMSNorm weight: rms_norm(x) = x / sqrt(mean(x^2) + eps) * norm_scale); weights = (wq, wk,
+  wv), each [K, heads * head_dim]; biases = (bq, bk, bv) matching their columns, or None;
+  cos, sin [..., head_dim/2] (float) for each row's position, RoPE in the split-halves
+  layout (dim d pairs with d + head_dim/2). Returns (q, k, v), each [..., heads * head_dim]
+  in x's dtype.
+
+  With kv_cache = (keys, values), k and v go straight into the cache instead: row b of x
+  (x [B, K] or [B, 1, K]) is sequence b's new token, stored at token position positions[b]
+  as `jaxflash.kv_cache_write` stores it (contiguous caches [B, S, K, H], or page pools
+  [P, page, K, H] through block_table [B, max_pages]; a negative or out-of-range position
+  writes nothing). Returns (q, keys, values) then; with the caches donated under jit the
+  write is in place.
+
+  config: the product's tiles (default `LinearConfig()`; at most 8 K chunks); interpret:
+  Pallas interpret mode (default: when no GPU).
+  """
+  _check_inputs(x, norm_scale, weights, biases, cos, sin, head_dim)
+  config = config or LinearConfig()
+  if not isinstance(config, LinearConfig):
+    raise TypeError(f"config must be a jaxflash.LinearConfig, got {type(config).__name__}")
+  interpret = use_interpret(interpret)
+  lead, k_size = x.shape[:-1], x.shape[-1]
+  rows = math.prod(lead)
+  widths = tuple(int(w.shape[1]) for w in weights)
+  heads = tuple(n // head_dim for n in widths)
+  cache = None
+  if kv_cache is not None:
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+      raise TypeError(f"kv_cache must be a tuple (keys, values) or None, got {type(kv_cache).__name__}")
+    if len(lead) > 2 or (len(lead) == 2 and lead[1] != 1):
+      raise ValueError(f"with kv_cache, x holds one token per sequence: [B, K] or [B, 1, K], got x "
+                       f"{tuple(x.shape)}")
+    positions, block_table = check_cache_target(*kv_cache, (heads[1], head_dim), rows, positions, block_table)
+    if kv_cache[0].shape[2] != heads[2]:
+      raise ValueError(f"wv has {heads[2]} heads but the caches hold {kv_cache[0].shape[2]} "
+                       f"(values {tuple(kv_cache[1].shape)})")
+    cache = "contiguous" if block_table is None else "paged"
+  if rows == 0:
+    if cache is not None:
+      return jnp.zeros((*lead, widths[0]), x.dtype), *kv_cache
+    return tuple(jnp.zeros((*lead, n), x.dtype) for n in widths)
+  n_blocks = sum(pl.cdiv(n, config.block_n) for n in widths)
+  wanted = config.num_splits or device_lib.device_info().sm_count // n_blocks
+  config = LinearConfig(config.block_n, config.block_k, config.num_warps, config.num_stages,
+                        max(1, min(wanted, MAX_SPLITS)))
+  parts, sum_sq = skinny_matmul_partials(x.reshape(rows, k_size), tuple(weights), norm_scale,
+                                         config=config, interpret=interpret)
+  operands = [sum_sq, cos.reshape(rows, -1).astype(jnp.float32), sin.reshape(rows, -1).astype(jnp.float32),
+              *parts, *(biases or ())]
+  out_shapes = [jax.ShapeDtypeStruct((rows, n), x.dtype) for n in widths]
+  aliases, capacity, page_size = {}, 0, 0
+  if cache is not None:
+    keys, values = kv_cache
+    capacity = keys.shape[0] if cache == "paged" else keys.shape[1]
+    page_size = keys.shape[1]
+    operands += [positions, *(() if block_table is None else (block_table,))]
+    aliases = {len(operands): 1, len(operands) + 1: 2}
+    operands += [keys.reshape(-1, *keys.shape[2:]), values.reshape(-1, *values.shape[2:])]  # bitcasts
+    out_shapes[1:] = [jax.ShapeDtypeStruct(operands[-2].shape, keys.dtype),
+                      jax.ShapeDtypeStruct(operands[-1].shape, values.dtype)]
+  kernel = functools.partial(_finish_kernel, heads=heads, has_bias=biases is not None, cache=cache,
+                             capacity=capacity, page_size=page_size, splits=sum_sq.shape[0], rows=rows,
+                             k_size=k_size, head_dim=head_dim, eps=float(eps))
+  with quiet():
+    outs = pl.pallas_call(
+        kernel,
+        grid=(sum(heads),),
+        out_shape=out_shapes,
+        input_output_aliases=aliases,
+        compiler_params=CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxflash_qkv_finish",
+    )(*operands)
+  q = outs[0].reshape(*lead, widths[0])
+  if cache is not None:
+    return q, outs[1].reshape(kv_cache[0].shape), outs[2].reshape(kv_cache[1].shape)
+  return q, *(out.reshape(*lead, n) for out, n in zip(outs[1:], widths[1:]))
+
+
+def qkv_projection_reference(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, eps: float = 1e-6):
+  """Plain JAX, fp32 throughout (HIGHEST-precision products), in x's dtype: for checking."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * norm_scale.astype(jnp.float32)
+  outs = []
+  for which, w in enumerate(weights):
+    y = jnp.matmul(normed, w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    if biases is not None:
+      y = y + biases[which].astype(jnp.float32)
+    if which < 2:
+      heads = y.reshape(*y.shape[:-1], -1, 2, head_dim // 2)  # [..., n, 2, H/2]
+      c, s = cos.astype(jnp.float32)[..., None, :], sin.astype(jnp.float32)[..., None, :]
+      x1, x2 = heads[..., 0, :], heads[..., 1, :]
+      y = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-2).reshape(y.shape)
+    outs.append(y.astype(x.dtype))
+  return tuple(outs)
