@@ -71,7 +71,7 @@ def cache_rows(positions_ref, table_ref, batch_rows, *, capacity: int, page_size
   """Where token positions[b] of sequence b goes in the cache viewed as rows [R, K, H]
   (contiguous [B, S, K, H] -> [B * S, K, H]; a pool [P, page, K, H] -> [P * page, K, H]).
 
-  batch_rows: int32 vector of sequence indices b (a vector of them, or a scalar); returns
+  batch_rows: sequence indices b (a scalar, or an int32 vector of them); returns
   (row, ok) of its shape: `ok` is False for a write that is dropped (a negative position,
   one past the cache or the table, a table entry outside the pool); `row` is then clamped.
   """
