@@ -29,6 +29,7 @@ bf16 value), and everything after the product is fp32, rounded once at the store
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -40,7 +41,7 @@ from jaxflash import _checks
 from jaxflash import device as device_lib
 from jaxflash._triton import CompilerParams, load, load_masked, mask2d, pl, quiet, store, use_interpret
 from jaxflash.cache_write import cache_rows, check_cache_target
-from jaxflash.linear import MAX_ROWS, LinearConfig, skinny_matmul_partials
+from jaxflash.linear import MAX_ROWS, LinearConfig, k_chunks, skinny_matmul_partials
 
 MAX_SPLITS = 8  # K chunks of the product: the finishing step adds them with unrolled loads
 
@@ -235,9 +236,8 @@ def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, e
       return jnp.zeros((*lead, widths[0]), x.dtype), *kv_cache
     return tuple(jnp.zeros((*lead, n), x.dtype) for n in widths)
   n_blocks = sum(pl.cdiv(n, config.block_n) for n in widths)
-  wanted = config.num_splits or device_lib.device_info().sm_count // n_blocks
-  config = LinearConfig(config.block_n, config.block_k, config.num_warps, config.num_stages,
-                        max(1, min(wanted, MAX_SPLITS)))
+  _, splits = k_chunks(config, n_blocks * config.block_n, k_size, device_lib.device_info().sm_count)
+  config = dataclasses.replace(config, num_splits=min(splits, MAX_SPLITS))
   parts, sum_sq = skinny_matmul_partials(x.reshape(rows, k_size), tuple(weights), norm_scale,
                                          config=config, interpret=interpret)
   operands = [sum_sq, cos.reshape(rows, -1).astype(jnp.float32), sin.reshape(rows, -1).astype(jnp.float32),

@@ -32,21 +32,27 @@ class LayerKV:
   values: jax.Array
   lengths: jax.Array
   block_table: jax.Array | None = None
-  # One new token per sequence (a decode step) is written by jaxflash.kv_cache_write, one
-  # kernel for keys and values; otherwise, and for prompts, by XLA's scatter.
+  # One new token per sequence (a decode step) is written by a kernel: jaxflash.qkv_projection's
+  # finishing kernel on the fused q/k/v path (models/qwen2/linear.py), else
+  # jaxflash.kv_cache_write; prompts, and everything with False, by XLA's scatter.
   write_kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def paged(self) -> bool:
     return self.block_table is not None
 
+  def token_positions(self, new_lengths: jax.Array) -> jax.Array:
+    """Where a decode step's token of each sequence goes: lengths[b], or -1 (a kernel
+    writes nothing there) for rows with no new token (new_lengths[b] == 0)."""
+    return jnp.where(new_lengths > 0, self.lengths, -1)
+
   def write(self, k_new: jax.Array, v_new: jax.Array, new_lengths: jax.Array) -> LayerKV:
     """Stores k_new, v_new [B, T, K, H] at positions lengths[b] + t for t < new_lengths[b];
     tokens past new_lengths[b] (padding, finished sequences) are dropped."""
     if self.write_kernel and k_new.shape[1] == 1:
-      positions = jnp.where(new_lengths > 0, self.lengths, -1)  # -1: nothing written
       keys, values = jaxflash.kv_cache_write(self.keys, self.values, k_new[:, 0], v_new[:, 0],
-                                             positions, block_table=self.block_table)
+                                             self.token_positions(new_lengths),
+                                             block_table=self.block_table)
       return dataclasses.replace(self, keys=keys, values=values)
     if self.paged:
       keys, values = jaxflash.paged_kv_write(self.keys, self.values, self.block_table, self.lengths,

@@ -38,7 +38,7 @@ class Projector:
 
   skinny: bool = False
   tensor_parallel: Any = None  # a models.qwen2.parallel.TensorParallel, or None
-  fused_qkv: bool = False  # with `skinny`: norm, q/k/v, bias and RoPE in one kernel (`qkv`)
+  fused_qkv: bool = False  # with `skinny`: norm, q/k/v, bias, RoPE, cache write in two kernels (`qkv`)
 
   def __call__(self, layer: nnx.Linear, x: jax.Array, split: str) -> jax.Array:
     """layer(x); `split` ("column" or "row") names how a split model shards the weight."""
@@ -48,7 +48,7 @@ class Projector:
     """(layer(x) for each layer), in one skinny kernel launch when they take that path."""
     if not self._takes_skinny(layers, x):
       return tuple(layer(x) for layer in layers)
-    dtype = layers[0].dtype or jnp.result_type(x.dtype, layers[0].kernel.dtype)
+    dtype = _compute_dtype(layers, x)
     x, ws = x.astype(dtype), tuple(layer.kernel[...].astype(dtype) for layer in layers)
     if self.tensor_parallel is None:
       outs = jaxflash.skinny_matmul(x, ws)
@@ -60,8 +60,9 @@ class Projector:
   def qkv(self, norm, layers: tuple[nnx.Linear, nnx.Linear, nnx.Linear], x: jax.Array, rope,
           head_dim: int, kv=None, new_lengths=None):
     """(q, k, v, kv): RoPE'd q and k and plain v of norm(x) from `jaxflash.qkv_projection`,
-    two kernels in place of the RMSNorm's two, the product's and three for bias and RoPE;
-    None when this projector does not take that path (then: norm, `many`, RoPE, as usual).
+    two kernels in place of the RMSNorm's two, the product's, three for bias and RoPE and
+    the cache write's; None when this projector does not take that path (then: norm,
+    `many`, RoPE, as usual).
 
     norm: the models.qwen2.norm.RMSNorm before the projections; rope: (cos, sin)
     [B, T, head_dim/2]. Taken with `fused_qkv` and `skinny`, on one device, for at most 16
@@ -70,19 +71,18 @@ class Projector:
     write nothing): k and v come back None and kv updated; otherwise kv as given.
     """
     if not (self.fused_qkv and self.skinny and self.tensor_parallel is None
-            and math.prod(x.shape[:-1]) <= MAX_ROWS
-            and len({(layer.dtype, layer.kernel.dtype) for layer in layers}) == 1):
+            and math.prod(x.shape[:-1]) <= MAX_ROWS and _one_dtype(layers)):
       return None
-    dtype = layers[0].dtype or jnp.result_type(x.dtype, layers[0].kernel.dtype)
+    dtype = _compute_dtype(layers, x)
     biases = (None if any(layer.bias is None for layer in layers)
               else tuple(layer.bias[...].astype(dtype) for layer in layers))
     args = (x.astype(dtype), norm.scale[...], tuple(layer.kernel[...].astype(dtype) for layer in layers),
             biases, *rope)
     if kv is None or not kv.write_kernel or x.shape[1] != 1:
       return (*jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps), kv)
-    positions = jnp.where(new_lengths > 0, kv.lengths, -1)  # -1: nothing written
     q, keys, values = jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps,
-                                              kv_cache=(kv.keys, kv.values), positions=positions,
+                                              kv_cache=(kv.keys, kv.values),
+                                              positions=kv.token_positions(new_lengths),
                                               block_table=kv.block_table)
     return q, None, None, dataclasses.replace(kv, keys=keys, values=values)
 
@@ -91,4 +91,14 @@ class Projector:
             and all(math.prod(layer.kernel.shape) <= SKINNY_MAX_WEIGHT
                     or layer.kernel.shape[0] >= SKINNY_MIN_ASPECT * layer.kernel.shape[1]
                     for layer in layers)
-            and len({(layer.dtype, layer.kernel.dtype) for layer in layers}) == 1)
+            and _one_dtype(layers))
+
+
+def _one_dtype(layers) -> bool:
+  """The layers compute in one dtype from weights of one dtype (one kernel launch serves all)."""
+  return len({(layer.dtype, layer.kernel.dtype) for layer in layers}) == 1
+
+
+def _compute_dtype(layers, x):
+  """What nnx.Linear computes in: its `dtype`, else the promotion of x and the weights."""
+  return layers[0].dtype or jnp.result_type(x.dtype, layers[0].kernel.dtype)

@@ -31,12 +31,14 @@ class Qwen2ForCausalLM(nnx.Module):
   # (models/qwen2/linear.py; on a split model, each device its own shard); False: XLA's
   # dots everywhere.
   skinny_decode = True
-  # Decode steps write each layer's new keys and values with jaxflash.kv_cache_write (one
-  # kernel, in place) instead of XLA's scatter (four small kernels). A split model keeps
-  # the scatter, which XLA partitions; False: the scatter everywhere.
+  # Decode steps write each layer's new keys and values with a kernel, in place (in the
+  # fused q/k/v kernel below, else jaxflash.kv_cache_write) instead of XLA's scatter (four
+  # small kernels). A split model keeps the scatter, which XLA partitions; False: the
+  # scatter everywhere.
   cache_write_kernel = True
   # With skinny_decode on one device: the pre-attention RMSNorm, the q/k/v products, their
-  # biases and RoPE in two kernels (jaxflash.qkv_projection) instead of six; False: apart.
+  # biases, RoPE and the cache write in two kernels (jaxflash.qkv_projection) instead of
+  # seven; False: apart.
   fused_qkv = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
