@@ -84,6 +84,8 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--gemv-rows", default="1", help="comma-separated batch rows for the GEMV rates")
   parser.add_argument("--no-gemv", action="store_true")
+  parser.add_argument("--unfused", default="", help="comma-separated model flags to turn off for an "
+                      "A/B run: fused_mlp, fused_qkv, skinny_decode, cache_write_kernel")
   parser.add_argument("--out", type=Path, default=None)
   args = parser.parse_args(argv)
   from models import qwen2
@@ -104,6 +106,10 @@ def main(argv=None):
 
   dtype = "bfloat16" if common.has_gpu() else "float32"
   model = qwen2.random_model(config, seed=0, dtype=dtype)
+  for flag in filter(None, args.unfused.split(",")):
+    if flag not in ("fused_mlp", "fused_qkv", "skinny_decode", "cache_write_kernel"):
+      parser.error(f"--unfused takes model flags, got {flag!r}")
+    setattr(model, flag, False)
   impl = None if args.impl == "jaxflash" else args.impl
   sampler = Sampler(model, cache=args.cache, attention_impl=impl)
   prompts = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.prompt), np.int32)
@@ -179,7 +185,8 @@ def main(argv=None):
                          sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:60]}
   if args.out:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"profile_step_{args.model}_b{args.batch}_{args.prompt}_{args.impl}_{args.cache}.json"
+    unfused = "".join(f"_no_{flag}" for flag in filter(None, args.unfused.split(",")))
+    (args.out / f"profile_step_{args.model}_b{args.batch}_{args.prompt}_{args.impl}_{args.cache}{unfused}.json"
      ).write_text(json.dumps(report, indent=1, default=str))
     (args.out / "decode_step.hlo.txt").write_text(hlo)
   log(f"step: {summary}")
