@@ -26,6 +26,8 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 from bench.common import log  # noqa: E402
 
+# Qwen2ForCausalLM's switches for its decode-step kernels (models/qwen2/model.py).
+MODEL_FLAGS = ("fused_qkv", "skinny_decode", "cache_write_kernel")
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
 
 
@@ -84,8 +86,8 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--gemv-rows", default="1", help="comma-separated batch rows for the GEMV rates")
   parser.add_argument("--no-gemv", action="store_true")
-  parser.add_argument("--unfused", default="", help="comma-separated model flags to turn off for an "
-                      "A/B run: fused_mlp, fused_qkv, skinny_decode, cache_write_kernel")
+  parser.add_argument("--off", default="", help="comma-separated model switches to turn off for an "
+                      "A/B run: " + ", ".join(MODEL_FLAGS))
   parser.add_argument("--out", type=Path, default=None)
   args = parser.parse_args(argv)
   from models import qwen2
@@ -106,9 +108,9 @@ def main(argv=None):
 
   dtype = "bfloat16" if common.has_gpu() else "float32"
   model = qwen2.random_model(config, seed=0, dtype=dtype)
-  for flag in filter(None, args.unfused.split(",")):
-    if flag not in ("fused_mlp", "fused_qkv", "skinny_decode", "cache_write_kernel"):
-      parser.error(f"--unfused takes model flags, got {flag!r}")
+  for flag in filter(None, args.off.split(",")):
+    if flag not in MODEL_FLAGS:
+      parser.error(f"--off takes model switches, got {flag!r}")
     setattr(model, flag, False)
   impl = None if args.impl == "jaxflash" else args.impl
   sampler = Sampler(model, cache=args.cache, attention_impl=impl)
@@ -185,8 +187,8 @@ def main(argv=None):
                          sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:60]}
   if args.out:
     args.out.mkdir(parents=True, exist_ok=True)
-    unfused = "".join(f"_no_{flag}" for flag in filter(None, args.unfused.split(",")))
-    (args.out / f"profile_step_{args.model}_b{args.batch}_{args.prompt}_{args.impl}_{args.cache}{unfused}.json"
+    off = "".join(f"_no_{flag}" for flag in filter(None, args.off.split(",")))
+    (args.out / f"profile_step_{args.model}_b{args.batch}_{args.prompt}_{args.impl}_{args.cache}{off}.json"
      ).write_text(json.dumps(report, indent=1, default=str))
     (args.out / "decode_step.hlo.txt").write_text(hlo)
   log(f"step: {summary}")

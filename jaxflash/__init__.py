@@ -5,7 +5,6 @@ from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_spl
 from jaxflash.decode import decode_attention
 from jaxflash.device import DeviceInfo, device_info
 from jaxflash.linear import LinearConfig, skinny_matmul
-from jaxflash.mlp import gated_mlp
 from jaxflash.paged import gather_pages, paged_decode_attention, paged_kv_write
 from jaxflash.prefill import prefill_attention
 from jaxflash.qkv import qkv_projection
@@ -15,6 +14,6 @@ __all__ = [
     "attention", "prefill_attention", "decode_attention", "paged_decode_attention",
     "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
-    "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "gated_mlp",
+    "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection",
 ]
 __version__ = "0.1.0"

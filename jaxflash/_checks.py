@@ -77,13 +77,3 @@ def check_page_size(page_size: int) -> None:
 
 def default_scale(scale, head_dim: int) -> float:
   return float(head_dim) ** -0.5 if scale is None else float(scale)
-
-
-def check_addend(addend, x) -> None:
-  """addend (None, or float [S, *x.shape] with S >= 1: partial sums to add to x)."""
-  if addend is None:
-    return
-  check_float("addend", addend)
-  if addend.ndim != x.ndim + 1 or tuple(addend.shape[1:]) != tuple(x.shape) or not addend.shape[0]:
-    raise ValueError(f"addend must be [S, *x.shape] = [S, {', '.join(map(str, x.shape))}] with S >= 1, "
-                     f"got addend {tuple(addend.shape)}")

@@ -36,9 +36,6 @@ from jaxflash import device as device_lib
 from jaxflash._triton import CompilerParams, dot, load_masked, mask2d, pl, quiet, store, use_interpret
 
 MAX_ROWS = 16  # tl.dot's minimum M: x's rows are padded to it, so 16 rows cost what 1 does
-# What the pipeline's buffers may take of the 227 KB of shared memory an H100/H200 block
-# gets (the estimate counts the loads only; layout conversions need more on top).
-PIPELINE_SMEM_BYTES = 128 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,86 +50,15 @@ class LinearConfig:
   num_splits: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class XTiles:
-  """Where the programs read x [M, K], the product's left side: as given (this class) or
-  made tile by tile from other arrays (subclasses). Static: the arrays are operands.
-
-  `inputs` arrays lead the kernel's operands; `outputs` (ShapeDtypeStructs) trail its
-  results, written by the programs of the first column block (`first`). A subclass's loads
-  (`fetch`) are issued a tile ahead of their use (`make`): Triton's pipeline only prefetches
-  loads that feed the dot as they are, and a load waited for in every step of the K loop
-  costs its latency each time (measured: 1.5-10x slower kernels, bench/NOTES.md).
-  """
-
-  def k_size(self, inputs) -> int:
-    return inputs[0].shape[-1]
-
-  def outputs(self, inputs) -> tuple:
-    return ()
-
-  def stage_bytes(self, inputs, block_k: int) -> int:
-    """Shared memory a pipeline stage holds for x's tiles (what the loads bring in)."""
-    return sum(math.prod(a.shape[:-2]) * MAX_ROWS * block_k * a.dtype.itemsize for a in inputs
-               if a.ndim >= 2)
-
-  def prologue(self, in_refs, row_ok):
-    """What every tile needs, computed once before the loop (passed to `make`)."""
-    return None
-
-  def fetch(self, in_refs, k0, mask, *, block_k: int):
-    """The loads for the tile at k0 (mask: [16, block_k] rows and columns in range)."""
-    (x_ref,) = in_refs
-    return load_masked(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)], mask)
-
-  def make(self, fetched, state, out_refs, k0, mask, first, *, block_k: int):
-    """x[:, k0:k0+block_k] as [16, block_k] from `fetch`'s loads."""
-    return fetched
-
-
-def add_chunks(parts):
-  """The sum of a static list of [16, width] f32 tiles."""
-  return functools.reduce(lambda a, b: a + b, parts)
-
-
-def fetch_chunks(ref, columns, mask):
-  """ref[s, :16, columns] for every s (fp32 partials [S, M, N]): S independent loads."""
-  # (interpret mode's masked loads take array indices only)
-  return [load_masked(ref.at[jnp.int32(s), pl.ds(0, MAX_ROWS), columns], mask) for s in range(ref.shape[0])]
-
-
-@dataclasses.dataclass(frozen=True)
-class SumXTiles(XTiles):
-  """x = base + the sum of a previous product's fp32 K-chunk partials (a residual add),
-  rounded to base's dtype; the programs of the first column block also store that sum
-  (the new residual stream). Inputs: base [M, K], partials [S, M, K]; output [M, K]."""
-
-  def outputs(self, inputs):
-    return (jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype),)
-
-  def fetch(self, in_refs, k0, mask, *, block_k: int):
-    base_ref, parts_ref = in_refs
-    columns = pl.ds(k0, block_k)
-    return load_masked(base_ref.at[pl.ds(0, MAX_ROWS), columns], mask), fetch_chunks(parts_ref, columns, mask)
-
-  def make(self, fetched, state, out_refs, k0, mask, first, *, block_k: int):
-    base, parts = fetched
-    (sum_ref,) = out_refs
-    x = (base.astype(jnp.float32) + add_chunks(parts)).astype(sum_ref.dtype)
-    pl.when(first)(lambda: store(sum_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)], x, mask=mask))
-    return x
-
-
-def _column_block(x_tiles: XTiles, x_refs, x_out_refs, w_ref, o_ref, j, s, *, rows: int, k_size: int,
-                  n_size: int, block_n: int, block_k: int, chunk_tiles: int, partial: bool, precision,
-                  scale_ref=None, sum_sq_ref=None, writes_x: bool = False):
-  """Column block j of one weight over K chunk s: x from `x_tiles` [M, K]; w_ref [K, N];
-  o_ref [M, N] (one chunk) or [splits, M, N] fp32 partials.
+def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: int, block_n: int,
+                  block_k: int, chunk_tiles: int, partial: bool, precision, scale_ref=None,
+                  sum_sq_ref=None):
+  """Column block j of one weight over K chunk s: x_ref [M, K]; w_ref [K, N]; o_ref [M, N]
+  (one chunk) or [splits, M, N] fp32 partials.
 
   With `scale_ref` [K] (an RMSNorm's weight) the product is (x * scale) @ w and the
   chunk's sum of x^2 per row goes to `sum_sq_ref` [splits, M] (when given), the two
-  halves of an RMSNorm that the caller finishes (jaxflash/qkv.py, jaxflash/mlp.py).
-  `writes_x`: this weight's block 0 stores what `x_tiles` outputs.
+  halves of an RMSNorm that the caller finishes (jaxflash/qkv.py).
   """
   row_ok = jnp.arange(MAX_ROWS) < rows
   cols = j * block_n + jnp.arange(block_n)
@@ -141,30 +67,29 @@ def _column_block(x_tiles: XTiles, x_refs, x_out_refs, w_ref, o_ref, j, s, *, ro
   end = jnp.minimum(first + chunk_tiles * block_k, k_size)
   num_full = lax.div(end - first, block_k)
   num_tiles = lax.div(end - first + block_k - 1, block_k)
-  stores_x = (j == 0) & writes_x
-  # x as given, multiplied as it is: loaded in the step that uses it (Triton pipelines that
-  # load). Anything else: its loads go out one tile ahead, carried through the loop.
-  ahead = type(x_tiles) is not XTiles or scale_ref is not None
-  state = x_tiles.prologue(x_refs, row_ok)
-
-  def x_mask(k0):
-    return mask2d(row_ok, (k0 + jnp.arange(block_k)) < k_size, (MAX_ROWS, block_k))
 
   def fetch(k0):
-    fetched = x_tiles.fetch(x_refs, k0, x_mask(k0), block_k=block_k)
+    """The tile of x at k0 (and of the scale): rows past M and columns past K read as zeros."""
+    x = load_masked(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)],
+                    mask2d(row_ok, (k0 + jnp.arange(block_k)) < k_size, (MAX_ROWS, block_k)))
     if scale_ref is None:
-      return fetched, None
-    return fetched, load_masked(scale_ref.at[pl.ds(k0, block_k)], (k0 + jnp.arange(block_k)) < k_size)
+      return x, None
+    return x, load_masked(scale_ref.at[pl.ds(k0, block_k)], (k0 + jnp.arange(block_k)) < k_size)
+
+  # x as given feeds the dot as it is loaded, and Triton's pipeline prefetches that load.
+  # Normalised, it passes through fp32 arithmetic first, and the pipeline leaves such a
+  # load to wait its latency in every step: so its tiles are loaded one step ahead here,
+  # carried through the loop (the q/k/v product: 5.0 -> 4.7 us a layer, bench/NOTES.md).
+  ahead = scale_ref is not None
 
   def body(i, carry, *, masked: bool):
     acc, sum_sq, fetched = carry
     k0 = first + i * block_k
     k_ok = (k0 + jnp.arange(block_k)) < k_size if masked else None
     if ahead:
-      (x_parts, scale), fetched = fetched, fetch(k0 + block_k)
+      (x, scale), fetched = fetched, fetch(k0 + block_k)
     else:
-      (x_parts, scale) = fetch(k0)
-    x = x_tiles.make(x_parts, state, x_out_refs, k0, x_mask(k0), stores_x, block_k=block_k)
+      x, scale = fetch(k0)
     if scale_ref is not None:
       x = x.astype(jnp.float32)
       sum_sq = sum_sq + jnp.sum(x * x, axis=1)
@@ -188,37 +113,31 @@ def _column_block(x_tiles: XTiles, x_refs, x_out_refs, w_ref, o_ref, j, s, *, ro
     pl.when(j == 0)(lambda: store(sum_sq_ref.at[s, pl.ds(0, MAX_ROWS)], sum_sq, mask=row_ok))
 
 
-def _skinny_kernel(*refs, x_tiles: XTiles, x_counts: tuple[int, int], widths: tuple[int, ...],
-                   block_n: int, normed: bool, **block):
+def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, normed: bool, **block):
   """Program (j, s): output column block j of the weights laid side by side (the first
   weight's blocks, then the second's...), over K tiles s*chunk_tiles.. .
 
-  refs: x's inputs (x_counts[0] of them, read by `x_tiles`), (the RMSNorm scale [K] if
-  `normed`), the weights [K, N_i]; then their outputs, (the sums of squares [splits, M] if
-  `normed`), and x's outputs (x_counts[1]).
+  x_ref [M, K]; refs = (the RMSNorm scale [K] if `normed`), the weights [K, N_i], their
+  outputs, (and the sums of squares [splits, M] if `normed`).
   """
-  x_refs, refs = refs[:x_counts[0]], refs[x_counts[0]:]
-  x_out_refs, refs = refs[len(refs) - x_counts[1]:], refs[:len(refs) - x_counts[1]]
   scale_ref, refs = (refs[0], refs[1:]) if normed else (None, refs)
   w_refs, o_refs = refs[:len(widths)], refs[len(widths):2 * len(widths)]
   sum_sq_ref = refs[-1] if normed else None
   # Program ids are read here, outside the branches: interpret mode resolves them only at
   # the kernel's top level.
   j, s = pl.program_id(0), pl.program_id(1)
-  shared = dict(block_n=block_n, scale_ref=scale_ref, **block)
   if len(widths) == 1:
-    _column_block(x_tiles, x_refs, x_out_refs, w_refs[0], o_refs[0], j, s, n_size=widths[0],
-                  sum_sq_ref=sum_sq_ref, writes_x=True, **shared)
+    _column_block(x_ref, w_refs[0], o_refs[0], j, s, n_size=widths[0], block_n=block_n,
+                  scale_ref=scale_ref, sum_sq_ref=sum_sq_ref, **block)
     return
   first_block = 0
   for index, (w_ref, o_ref, n_size) in enumerate(zip(w_refs, o_refs, widths)):
     blocks = pl.cdiv(n_size, block_n)
     is_mine = (j >= first_block) & (j < first_block + blocks)
-    # The first weight's programs write the sums of squares (each chunk's, once) and x's outputs.
-    pl.when(is_mine)(functools.partial(_column_block, x_tiles, x_refs, x_out_refs, w_ref, o_ref,
-                                       j - first_block, s, n_size=n_size,
-                                       sum_sq_ref=sum_sq_ref if index == 0 else None,
-                                       writes_x=index == 0, **shared))
+    # The first weight's programs write the sums of squares (each chunk's, once).
+    pl.when(is_mine)(functools.partial(_column_block, x_ref, w_ref, o_ref, j - first_block, s,
+                                       n_size=n_size, block_n=block_n, scale_ref=scale_ref,
+                                       sum_sq_ref=sum_sq_ref if index == 0 else None, **block))
     first_block += blocks
 
 
@@ -249,18 +168,14 @@ def _check_inputs(x, weights: tuple):
                      f"({rows} rows): use jnp.dot for larger batches")
 
 
-@functools.partial(jax.jit, static_argnames=("return_partials", "config", "interpret"))
-def skinny_matmul(x, w, *, return_partials: bool = False, config: LinearConfig | None = None,
-                  interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def skinny_matmul(x, w, *, config: LinearConfig | None = None, interpret: bool | None = None):
   """x [..., K] with at most 16 rows in all (the leading dims' product) @ w [K, N] -> [..., N].
 
   `w` may also be a tuple of weights [K, N_i] that share x (a layer's q, k and v
   projections): one kernel launch computes every product and a tuple of [..., N_i] comes
   back. The product is computed in w's dtype on the tensor cores with fp32 accumulation
   (fp32 inputs multiply at full precision) and returned in the promoted dtype of x and w.
-  With `return_partials`, the K chunks' fp32 partial products [S, ..., N] come back
-  unsummed instead (the product is their sum over the first axis), for a kernel that adds
-  them as it reads them (`jaxflash.gated_mlp`'s and `jaxflash.qkv_projection`'s `addend`).
   config: tiles and K chunks (default `LinearConfig()`); interpret: Pallas interpret
   mode (default: when no GPU).
   """
@@ -273,28 +188,30 @@ def skinny_matmul(x, w, *, return_partials: bool = False, config: LinearConfig |
     raise TypeError(f"config must be a jaxflash.LinearConfig, got {type(config).__name__}")
   rows, k_size = math.prod(x.shape[:-1]), x.shape[-1]
   widths = tuple(int(w_i.shape[1]) for w_i in weights)
-  out_dtype = jnp.float32 if return_partials else jnp.result_type(x.dtype, weights[0].dtype)
-  lead = (1, *x.shape[:-1]) if return_partials else x.shape[:-1]
-  outs = [jnp.zeros((*lead, n), out_dtype) for n in widths]  # empty products stay zeros
+  out_dtype = jnp.result_type(x.dtype, weights[0].dtype)
+  outs = [jnp.zeros((*x.shape[:-1], n), out_dtype) for n in widths]  # empty products stay zeros
   live = [i for i, n in enumerate(widths) if n and rows and k_size]
   if live:
-    computed, _, _ = _pallas_call((x.reshape(rows, k_size),), tuple(weights[i] for i in live),
-                                  tuple(widths[i] for i in live), config, out_dtype,
-                                  use_interpret(interpret), force_partial=return_partials)
+    computed = _launch(x.reshape(rows, k_size), tuple(weights[i] for i in live),
+                       tuple(widths[i] for i in live), config, out_dtype, use_interpret(interpret))
     for i, out in zip(live, computed):
-      if out.ndim == 3 and not return_partials:  # K chunks: their sum fuses into the consumer
-        out = out.sum(axis=0).astype(out_dtype)
-      outs[i] = out.reshape(*out.shape[:-2], *x.shape[:-1], widths[i])
+      outs[i] = out.reshape(*x.shape[:-1], widths[i])
   return tuple(outs) if isinstance(w, (tuple, list)) else outs[0]
 
 
-def _pallas_call(x_inputs: tuple, weights: tuple, widths: tuple, config: LinearConfig, out_dtype,
-                 interpret: bool, *, x_tiles: XTiles = XTiles(), norm_scale=None,
-                 force_partial: bool = False, name: str = "jaxflash_skinny_matmul"):
+def _launch(x, weights: tuple, widths: tuple, config: LinearConfig, out_dtype, interpret: bool):
+  """The pallas_call over x [M, K] and weights [K, N_i] -> outputs [M, N_i]."""
+  outs, _ = _pallas_call(x, weights, widths, config, out_dtype, interpret)
+  if outs[0].ndim == 3:  # K chunks: their sum fuses into the consumer's elementwise kernel
+    outs = tuple(out.sum(axis=0).astype(out_dtype) for out in outs)
+  return outs
+
+
+def _pallas_call(x, weights: tuple, widths: tuple, config: LinearConfig, out_dtype, interpret: bool,
+                 norm_scale=None, force_partial: bool = False):
   """(outputs [M, N_i], or fp32 partials [splits, M, N_i] when K is chunked or
-  `force_partial`; sums of x^2 per chunk [splits, M] when `norm_scale`, else None; the
-  outputs of `x_tiles`, a tuple)."""
-  rows, k_size = x_inputs[0].shape[-2], x_tiles.k_size(x_inputs)
+  `force_partial`; sums of x^2 per chunk [splits, M] when `norm_scale`, else None)."""
+  rows, k_size = x.shape
   n_blocks = sum(pl.cdiv(n, config.block_n) for n in widths)
   chunk_tiles, splits = k_chunks(config, n_blocks * config.block_n, k_size,
                                  device_lib.device_info().sm_count)
@@ -303,45 +220,33 @@ def _pallas_call(x_inputs: tuple, weights: tuple, widths: tuple, config: LinearC
                                      jnp.float32 if partial else out_dtype) for n in widths]
   if norm_scale is not None:
     out_shapes.append(jax.ShapeDtypeStruct((splits, rows), jnp.float32))
-  x_outputs = tuple(x_tiles.outputs(x_inputs))
-  # Fewer pipeline stages where x's tiles (partial sums to add) would overflow shared memory.
-  stage = (config.block_k * config.block_n * jnp.dtype(weights[0].dtype).itemsize
-           + x_tiles.stage_bytes(x_inputs, config.block_k))
-  num_stages = config.num_stages
-  while num_stages > 2 and num_stages * stage > PIPELINE_SMEM_BYTES:
-    num_stages -= 1
   fp32 = jnp.dtype(weights[0].dtype) == jnp.float32
   kernel = functools.partial(
-      _skinny_kernel, x_tiles=x_tiles, x_counts=(len(x_inputs), len(x_outputs)), widths=widths,
-      rows=rows, k_size=k_size, block_n=config.block_n, block_k=config.block_k,
-      chunk_tiles=chunk_tiles, partial=partial, normed=norm_scale is not None,
+      _skinny_kernel, widths=widths, rows=rows, k_size=k_size, block_n=config.block_n,
+      block_k=config.block_k, chunk_tiles=chunk_tiles, partial=partial, normed=norm_scale is not None,
       precision=lax.Precision.HIGHEST if fp32 else None)
-  inputs = (*x_inputs, *(() if norm_scale is None else (norm_scale,)), *weights)
+  inputs = (x, *weights) if norm_scale is None else (x, norm_scale, *weights)
   with quiet():
     outs = pl.pallas_call(
         kernel,
         grid=(n_blocks, splits),
-        out_shape=[*out_shapes, *x_outputs],
-        compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=num_stages),
+        out_shape=out_shapes,
+        compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name=name,
+        name="jaxflash_skinny_matmul",
     )(*inputs)
-  outs, x_outs = tuple(outs[:len(out_shapes)]), tuple(outs[len(out_shapes):])
   if norm_scale is None:
-    return outs, None, x_outs
-  return outs[:-1], outs[-1], x_outs
+    return tuple(outs), None
+  return tuple(outs[:-1]), outs[-1]
 
 
-def skinny_matmul_partials(x_inputs: tuple, weights: tuple, norm_scale=None, *, config: LinearConfig,
-                           interpret: bool, x_tiles: XTiles = XTiles(), name: str = "jaxflash_skinny_matmul"):
-  """The kernel's raw output for x [M, K] (M <= 16, read from `x_inputs` by `x_tiles`)
-  times each w_i, or (x * norm_scale) @ w_i: (fp32 partial products [splits, M, N_i] of the
-  K chunks, the chunks' sums of x^2 [splits, M] or None, `x_tiles`' outputs). With a norm,
-  rms_norm(x) @ w = rsqrt(sum / K + eps) * the sum of the partials. Unchecked: for
-  jaxflash's fused kernels (jaxflash/qkv.py, jaxflash/mlp.py)."""
-  return _pallas_call(tuple(x_inputs), tuple(weights), tuple(int(w.shape[1]) for w in weights), config,
-                      jnp.float32, interpret, x_tiles=x_tiles, norm_scale=norm_scale, force_partial=True,
-                      name=name)
+def skinny_matmul_partials(x, weights: tuple, norm_scale, *, config: LinearConfig, interpret: bool):
+  """The kernel's raw output for x [M, K] (M <= 16) times (x * norm_scale) @ w_i: fp32
+  partial products [splits, M, N_i] of the K chunks, and the chunks' sums of x^2 [splits, M]
+  (for the caller to finish an RMSNorm: rms_norm(x) @ w = rsqrt(sum / K + eps) * sum of
+  the partials). Unchecked: for jaxflash's fused kernels (jaxflash/qkv.py)."""
+  return _pallas_call(x, tuple(weights), tuple(int(w.shape[1]) for w in weights), config,
+                      jnp.float32, interpret, norm_scale=norm_scale, force_partial=True)
 
 
 def skinny_matmul_reference(x, w):

@@ -41,7 +41,7 @@ from jaxflash import _checks
 from jaxflash import device as device_lib
 from jaxflash._triton import CompilerParams, load, load_masked, mask2d, pl, quiet, store, use_interpret
 from jaxflash.cache_write import cache_rows, check_cache_target
-from jaxflash.linear import MAX_ROWS, LinearConfig, SumXTiles, XTiles, k_chunks, skinny_matmul_partials
+from jaxflash.linear import MAX_ROWS, LinearConfig, k_chunks, skinny_matmul_partials
 
 MAX_SPLITS = 8  # K chunks of the product: the finishing step adds them with unrolled loads
 
@@ -188,8 +188,8 @@ def _check_inputs(x, norm_scale, weights, biases, cos, sin, head_dim: int):
 
 @functools.partial(jax.jit, static_argnames=("head_dim", "eps", "config", "interpret"))
 def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, eps: float = 1e-6,
-                   kv_cache=None, positions=None, block_table=None, addend=None,
-                   config: LinearConfig | None = None, interpret: bool | None = None):
+                   kv_cache=None, positions=None, block_table=None, config: LinearConfig | None = None,
+                   interpret: bool | None = None):
   """q, k, v of a decode step: rope(rms_norm(x) @ wq + bq), rope(rms_norm(x) @ wk + bk),
   rms_norm(x) @ wv + bv, in two kernel launches.
 
@@ -207,16 +207,10 @@ def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, e
   writes nothing). Returns (q, keys, values) then; with the caches donated under jit the
   write is in place.
 
-  With `addend` [S, ..., K] (float: e.g. the fp32 K-chunk partials of the previous layer's
-  down projection, `jaxflash.gated_mlp(..., return_partials=True)`), x + addend.sum(0),
-  rounded to x's dtype, takes x's place, and comes back as one more output (the residual
-  stream) after the others.
-
   config: the product's tiles (default `LinearConfig()`; at most 8 K chunks); interpret:
   Pallas interpret mode (default: when no GPU).
   """
   _check_inputs(x, norm_scale, weights, biases, cos, sin, head_dim)
-  _checks.check_addend(addend, x)
   config = config or LinearConfig()
   if not isinstance(config, LinearConfig):
     raise TypeError(f"config must be a jaxflash.LinearConfig, got {type(config).__name__}")
@@ -238,21 +232,14 @@ def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, e
                        f"(values {tuple(kv_cache[1].shape)})")
     cache = "contiguous" if block_table is None else "paged"
   if rows == 0:
-    x_sum = () if addend is None else (jnp.zeros(x.shape, x.dtype),)
     if cache is not None:
-      return jnp.zeros((*lead, widths[0]), x.dtype), *kv_cache, *x_sum
-    return *(jnp.zeros((*lead, n), x.dtype) for n in widths), *x_sum
+      return jnp.zeros((*lead, widths[0]), x.dtype), *kv_cache
+    return tuple(jnp.zeros((*lead, n), x.dtype) for n in widths)
   n_blocks = sum(pl.cdiv(n, config.block_n) for n in widths)
   _, splits = k_chunks(config, n_blocks * config.block_n, k_size, device_lib.device_info().sm_count)
   config = dataclasses.replace(config, num_splits=min(splits, MAX_SPLITS))
-  if addend is None:
-    x_inputs, x_tiles = (x.reshape(rows, k_size),), XTiles()
-  else:
-    x_inputs = (x.reshape(rows, k_size), addend.reshape(-1, rows, k_size).astype(jnp.float32))
-    x_tiles = SumXTiles()
-  parts, sum_sq, x_sum = skinny_matmul_partials(x_inputs, tuple(weights), norm_scale, config=config,
-                                                interpret=interpret, x_tiles=x_tiles)
-  x_sum = tuple(out.reshape(x.shape) for out in x_sum)  # (x + the addend's sum,) or ()
+  parts, sum_sq = skinny_matmul_partials(x.reshape(rows, k_size), tuple(weights), norm_scale,
+                                         config=config, interpret=interpret)
   operands = [sum_sq, cos.reshape(rows, -1).astype(jnp.float32), sin.reshape(rows, -1).astype(jnp.float32),
               *parts, *(biases or ())]
   out_shapes = [jax.ShapeDtypeStruct((rows, n), x.dtype) for n in widths]
@@ -281,8 +268,8 @@ def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, e
     )(*operands)
   q = outs[0].reshape(*lead, widths[0])
   if cache is not None:
-    return q, outs[1].reshape(kv_cache[0].shape), outs[2].reshape(kv_cache[1].shape), *x_sum
-  return q, *(out.reshape(*lead, n) for out, n in zip(outs[1:], widths[1:])), *x_sum
+    return q, outs[1].reshape(kv_cache[0].shape), outs[2].reshape(kv_cache[1].shape)
+  return q, *(out.reshape(*lead, n) for out, n in zip(outs[1:], widths[1:]))
 
 
 def qkv_projection_reference(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, eps: float = 1e-6):

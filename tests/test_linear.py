@@ -67,21 +67,6 @@ def test_several_weights_share_one_launch(case, interpret, rng):
   assert jaxpr.count("pallas_call") == 1
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_partials_sum_to_the_product(splits, interpret, rng):
-  """return_partials: the K chunks' fp32 partial products [S, ..., N], unsummed; their
-  sum is the product (one chunk: one partial)."""
-  x = random_array(rng, (2, 1, 100), BF16)
-  ws = (random_array(rng, (100, 40), BF16, scale=0.1), random_array(rng, (100, 24), BF16, scale=0.1))
-  config = LinearConfig(block_n=16, block_k=16, num_splits=splits)
-  parts = skinny_matmul(x, ws, return_partials=True, config=config, interpret=interpret)
-  for part, w in zip(parts, ws):
-    chex.assert_shape(part, (splits, 2, 1, w.shape[1]))
-    chex.assert_type(part, FP32)
-    expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    assert_close(np.asarray(part, np.float64).sum(0), expected, FP32 if splits == 1 else BF16)
-
-
 def test_empty_weight_in_a_tuple_gives_zeros(interpret, rng):
   x = random_array(rng, (2, 32), FP32)
   w = random_array(rng, (32, 24), FP32)

@@ -119,33 +119,6 @@ def test_k_and_v_written_into_the_cache(case, interpret, rng):
   np.testing.assert_array_equal(np.asarray(new_values, np.float32), np.asarray(want_values, np.float32))
 
 
-@pytest.mark.parametrize("cache", [False, True], ids=["outputs", "into_cache"])
-def test_addend_is_added_to_x_first(cache, interpret, rng):
-  """With `addend` (a previous product's unsummed K-chunk partials), x + addend.sum(0)
-  takes x's place, rounded to x's dtype, and comes back last: the same q, k, v and cache
-  as passing that sum as x."""
-  dtype = BF16
-  x, scale, weights, biases, cos, sin = make_inputs(rng, (3, 1, 128), 64, (4, 2, 2), True, dtype)
-  addend = random_array(rng, (5, 3, 1, 128), FP32, scale=2.0)
-  x_sum = (x.astype(FP32) + addend.sum(0)).astype(dtype)
-  kwargs = dict(head_dim=64, interpret=interpret, config=LinearConfig(32, 32, num_splits=3))
-  if cache:
-    keys = values = jnp.zeros((3, 8, 2, 64), dtype)
-    kwargs.update(kv_cache=(keys, values), positions=jnp.asarray([1, -1, 7], jnp.int32))
-  *outs, got_sum = qkv_projection(x, scale, weights, biases, cos, sin, addend=addend, **kwargs)
-  want = qkv_projection(x_sum, scale, weights, biases, cos, sin, **kwargs)
-  chex.assert_trees_all_equal_shapes_and_dtypes(got_sum, x)
-  np.testing.assert_array_equal(np.asarray(got_sum, np.float32), np.asarray(x_sum, np.float32))
-  assert len(outs) == 3
-  for got, ref in zip(outs, want):
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
-
-
-def test_bad_addend_is_refused():
-  with pytest.raises(ValueError, match=r"addend must be .*= \[S, 2, 32\].*\(3, 2, 16\)"):
-    qkv_projection(*_args(), head_dim=16, addend=jnp.zeros((3, 2, 16), FP32))
-
-
 def test_cache_arguments_are_checked():
   x, scale, weights, biases, cos, sin = _args(rows=2, k=32, head_dim=16, heads=(2, 1, 1))
   cache = (jnp.zeros((2, 8, 1, 16), FP32), jnp.zeros((2, 8, 1, 16), FP32))

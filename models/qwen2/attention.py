@@ -19,7 +19,7 @@ import jaxflash
 from models.qwen2.cache import LayerKV
 from models.qwen2.config import ATTENTION_IMPLS
 from models.qwen2.initializers import dense_init
-from models.qwen2.linear import Projector, Residual, materialize
+from models.qwen2.linear import Projector
 from models.qwen2.rope import apply_rope
 
 
@@ -58,28 +58,24 @@ class Attention(nnx.Module):
     self.v_proj = nnx.Linear(hidden_size, num_kv_heads * head_dim, use_bias=True, **dense)
     self.o_proj = nnx.Linear(num_heads * head_dim, hidden_size, use_bias=False, **dense)
 
-  def __call__(self, x: jax.Array | Residual, rope: tuple[jax.Array, jax.Array],
-               lengths: jax.Array | None, kv: LayerKV | None = None, *, norm=None,
-               residual: bool = False, attention_impl: str | None = None,
-               projector: Projector = Projector()) -> tuple[jax.Array | Residual, LayerKV | None]:
-    """x [B, T, hidden] (or a Residual: x with a sum pending), or norm(x) the input when
-    `norm` (an RMSNorm) is given; rope = (cos, sin) [B, T, head_dim/2]; lengths [B] valid
-    new tokens per row (None: all T). Returns (attention, kv), or with `residual` (x +
-    attention, kv), that sum possibly a Residual left for the fused MLP. With `kv`, the new
-    keys/values are written to it and the updated LayerKV is returned; with T > 1 the cache
-    must not hold earlier tokens of these sequences (prefill from scratch: the prompt
-    attends to itself only). `projector`: how the projections multiply
+  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], lengths: jax.Array | None,
+               kv: LayerKV | None = None, *, norm=None, attention_impl: str | None = None,
+               projector: Projector = Projector()) -> tuple[jax.Array, LayerKV | None]:
+    """x [B, T, hidden], or norm(x) the input when `norm` (an RMSNorm) is given; rope =
+    (cos, sin) [B, T, head_dim/2]; lengths [B] valid new tokens per row (None: all T). With
+    `kv`, the new keys/values are written to it and the updated LayerKV is returned; with
+    T > 1 the cache must not hold earlier tokens of these sequences (prefill from scratch:
+    the prompt attends to itself only). `projector`: how the projections multiply
     (models/qwen2/linear.py)."""
-    batch, steps, _ = (x.x if isinstance(x, Residual) else x).shape
+    batch, steps, _ = x.shape
     layers = (self.q_proj, self.k_proj, self.v_proj)
     new_lengths = jnp.full((batch,), steps, jnp.int32) if lengths is None else lengths
     with jax.named_scope("qkv_projection"):
       fused = None if norm is None else projector.qkv(norm, layers, x, rope, self.head_dim, kv, new_lengths)
       if fused is None:
-        x = materialize(x)
         q, k, v = projector.many(layers, x if norm is None else norm(x), "column")
       else:
-        q, k, v, kv, x = fused  # k, v None: the kernel wrote them into kv's cache
+        q, k, v, kv = fused  # k, v None: the kernel wrote them into kv's cache
       q = q.reshape(batch, steps, self.num_heads, self.head_dim)
       if k is not None:
         k = k.reshape(batch, steps, self.num_kv_heads, self.head_dim)
@@ -103,7 +99,6 @@ class Attention(nnx.Module):
                                     impl=attention_impl, kv_lengths=kv.lengths + new_lengths,
                                     block_table=kv.block_table)
     with jax.named_scope("output_projection"):
-      out = out.reshape(batch, steps, self.num_heads * self.head_dim).astype(x.dtype)
-      if residual:
-        return projector.residual_add(x, self.o_proj, out), kv
-      return projector(self.o_proj, out, "row"), kv
+      out = projector(self.o_proj, out.reshape(batch, steps, self.num_heads * self.head_dim).astype(x.dtype),
+                      "row")
+    return out, kv

@@ -8,7 +8,7 @@ from flax import nnx
 from models.qwen2.attention import Attention
 from models.qwen2.cache import LayerKV
 from models.qwen2.config import Qwen2Config
-from models.qwen2.linear import Projector, Residual
+from models.qwen2.linear import Projector
 from models.qwen2.mlp import MLP
 from models.qwen2.norm import RMSNorm
 
@@ -26,11 +26,11 @@ class DecoderLayer(nnx.Module):
     self.pre_mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kinds)
     self.mlp = MLP(config.hidden_size, config.intermediate_size, **kinds)
 
-  def __call__(self, x: jax.Array | Residual, rope, lengths, kv: LayerKV | None = None, *,
+  def __call__(self, x: jax.Array, rope, lengths, kv: LayerKV | None = None, *,
                attention_impl: str | None = None, projector: Projector = Projector()
-               ) -> tuple[jax.Array | Residual, LayerKV | None]:
-    """x [B, T, hidden] -> (the layer's output, kv). On the fused decode path (models/qwen2/
-    linear.py) x and the output may be Residuals: sums left for the next kernel to form."""
-    x, kv = self.attention(x, rope, lengths, kv, norm=self.pre_attention_norm, residual=True,
-                           attention_impl=attention_impl, projector=projector)
-    return self.mlp.residual(self.pre_mlp_norm, x, projector=projector), kv
+               ) -> tuple[jax.Array, LayerKV | None]:
+    attended, kv = self.attention(x, rope, lengths, kv, norm=self.pre_attention_norm,
+                                  attention_impl=attention_impl, projector=projector)
+    x = x + attended
+    x = x + self.mlp(self.pre_mlp_norm(x), projector=projector)
+    return x, kv

@@ -25,25 +25,6 @@ SKINNY_MIN_ASPECT = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class Residual:
-  """The residual stream x + parts.sum(0), the sum not yet formed: `parts` [S, *x.shape] are
-  a product's fp32 K-chunk partials (the attention's output projection, or the MLP's down
-  projection), which the next fused kernel adds as it reads x instead of an XLA kernel of
-  their own (jaxflash.gated_mlp's and jaxflash.qkv_projection's `addend`)."""
-
-  x: jax.Array
-  parts: jax.Array
-
-  def value(self) -> jax.Array:
-    return (self.x.astype(jnp.float32) + self.parts.sum(axis=0)).astype(self.x.dtype)
-
-
-def materialize(x: jax.Array | Residual) -> jax.Array:
-  """x itself, or a Residual's sum."""
-  return x.value() if isinstance(x, Residual) else x
-
-
-@dataclasses.dataclass(frozen=True)
 class Projector:
   """How the layers of one forward pass multiply by their weights.
 
@@ -58,7 +39,6 @@ class Projector:
   skinny: bool = False
   tensor_parallel: Any = None  # a models.qwen2.parallel.TensorParallel, or None
   fused_qkv: bool = False  # with `skinny`: norm, q/k/v, bias, RoPE, cache write in two kernels (`qkv`)
-  fused_mlp: bool = False  # with `skinny`: norm and SwiGLU in two kernels, sums left as partials (`mlp`)
 
   def __call__(self, layer: nnx.Linear, x: jax.Array, split: str) -> jax.Array:
     """layer(x); `split` ("column" or "row") names how a split model shards the weight."""
@@ -77,12 +57,12 @@ class Projector:
     return tuple(out if layer.bias is None else out + layer.bias[...].astype(dtype)
                  for layer, out in zip(layers, outs))
 
-  def qkv(self, norm, layers: tuple[nnx.Linear, nnx.Linear, nnx.Linear], x: jax.Array | Residual,
-          rope, head_dim: int, kv=None, new_lengths=None):
-    """(q, k, v, kv, x): RoPE'd q and k and plain v of norm(x) from `jaxflash.qkv_projection`,
+  def qkv(self, norm, layers: tuple[nnx.Linear, nnx.Linear, nnx.Linear], x: jax.Array, rope,
+          head_dim: int, kv=None, new_lengths=None):
+    """(q, k, v, kv): RoPE'd q and k and plain v of norm(x) from `jaxflash.qkv_projection`,
     two kernels in place of the RMSNorm's two, the product's, three for bias and RoPE and
-    the cache write's, and x in full (a Residual's sum, formed by the kernel); None when
-    this projector does not take that path (then: norm, `many`, RoPE, as usual).
+    the cache write's; None when this projector does not take that path (then: norm,
+    `many`, RoPE, as usual).
 
     norm: the models.qwen2.norm.RMSNorm before the projections; rope: (cos, sin)
     [B, T, head_dim/2]. Taken with `fused_qkv` and `skinny`, on one device, for at most 16
@@ -90,56 +70,21 @@ class Projector:
     cache.py), k and v go straight into its cache at kv.lengths (rows with new_lengths 0
     write nothing): k and v come back None and kv updated; otherwise kv as given.
     """
-    base = x.x if isinstance(x, Residual) else x
-    if not (self.fused_qkv and self._fuses(base) and _one_dtype(layers)):
+    if not (self.fused_qkv and self.skinny and self.tensor_parallel is None
+            and math.prod(x.shape[:-1]) <= MAX_ROWS and _one_dtype(layers)):
       return None
-    dtype = _compute_dtype(layers, base)
+    dtype = _compute_dtype(layers, x)
     biases = (None if any(layer.bias is None for layer in layers)
               else tuple(layer.bias[...].astype(dtype) for layer in layers))
-    args = (base.astype(dtype), norm.scale[...], tuple(layer.kernel[...].astype(dtype) for layer in layers),
+    args = (x.astype(dtype), norm.scale[...], tuple(layer.kernel[...].astype(dtype) for layer in layers),
             biases, *rope)
-    addend = x.parts if isinstance(x, Residual) else None
-    if kv is None or not kv.write_kernel or base.shape[1] != 1:
-      q, k, v, *x_sum = jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps, addend=addend)
-    else:
-      q, keys, values, *x_sum = jaxflash.qkv_projection(
-          *args, head_dim=head_dim, eps=norm.eps, kv_cache=(kv.keys, kv.values),
-          positions=kv.token_positions(new_lengths), block_table=kv.block_table, addend=addend)
-      k, v, kv = None, None, dataclasses.replace(kv, keys=keys, values=values)
-    x_sum = x_sum[0].astype(base.dtype) if x_sum else base
-    return q, k, v, kv, x_sum
-
-  def residual_add(self, x: jax.Array, layer: nnx.Linear, inputs: jax.Array) -> jax.Array | Residual:
-    """x + layer(inputs), the sum left to the fused MLP (a Residual of the product's
-    partials) when this projector runs it (`fused_mlp`)."""
-    if not (self.fused_mlp and self._fuses(x) and self._takes_skinny((layer,), inputs)
-            and layer.bias is None):
-      return x + self(layer, inputs, "row")
-    dtype = _compute_dtype((layer,), inputs)
-    parts = jaxflash.skinny_matmul(inputs.astype(dtype), layer.kernel[...].astype(dtype),
-                                   return_partials=True)
-    return Residual(x, parts)
-
-  def mlp(self, norm, layers: tuple[nnx.Linear, nnx.Linear, nnx.Linear],
-          x: jax.Array | Residual) -> Residual | None:
-    """x + down(silu(gate(norm(x))) * up(norm(x))) from `jaxflash.gated_mlp`, two kernels in
-    place of the norm's two, the products' and SiLU's, with x's pending sum added by the
-    first and down's left as partials (a Residual); None when this projector does not take
-    that path. layers: (gate, up, down), without biases."""
-    base = x.x if isinstance(x, Residual) else x
-    if not (self.fused_mlp and self._fuses(base) and _one_dtype(layers)
-            and all(layer.bias is None for layer in layers)):
-      return None
-    dtype = _compute_dtype(layers, base)
-    gate, up, down = (layer.kernel[...].astype(dtype) for layer in layers)
-    h, parts = jaxflash.gated_mlp(base, norm.scale[...], gate, up, down, eps=norm.eps,
-                                  addend=x.parts if isinstance(x, Residual) else None,
-                                  return_partials=True)
-    return Residual(h, parts)
-
-  def _fuses(self, x: jax.Array) -> bool:
-    """Fused kernels run for at most 16 rows, with `skinny`, on one device."""
-    return self.skinny and self.tensor_parallel is None and math.prod(x.shape[:-1]) <= MAX_ROWS
+    if kv is None or not kv.write_kernel or x.shape[1] != 1:
+      return (*jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps), kv)
+    q, keys, values = jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps,
+                                              kv_cache=(kv.keys, kv.values),
+                                              positions=kv.token_positions(new_lengths),
+                                              block_table=kv.block_table)
+    return q, None, None, dataclasses.replace(kv, keys=keys, values=values)
 
   def _takes_skinny(self, layers, x) -> bool:
     return (self.skinny and math.prod(x.shape[:-1]) <= MAX_ROWS

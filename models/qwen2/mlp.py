@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.qwen2.initializers import dense_init
-from models.qwen2.linear import Projector, Residual, materialize
+from models.qwen2.linear import Projector
 
 
 class MLP(nnx.Module):
@@ -24,14 +24,3 @@ class MLP(nnx.Module):
     with jax.named_scope("mlp"):
       hidden = jax.nn.silu(projector(self.gate_proj, x, "column")) * projector(self.up_proj, x, "column")
       return projector(self.down_proj, hidden, "row")
-
-  def residual(self, norm, x: jax.Array | Residual, *, projector: Projector = Projector()
-               ) -> jax.Array | Residual:
-    """x + self(norm(x)) (x possibly a Residual, a sum pending), in two kernels whose
-    result is a Residual where the projector fuses the MLP (models/qwen2/linear.py)."""
-    with jax.named_scope("mlp"):
-      fused = projector.mlp(norm, (self.gate_proj, self.up_proj, self.down_proj), x)
-    if fused is not None:
-      return fused
-    x = materialize(x)
-    return x + self(norm(x), projector=projector)

@@ -9,7 +9,7 @@ from models.qwen2.block import DecoderLayer
 from models.qwen2.cache import KVCache
 from models.qwen2.config import ATTENTION_IMPLS, Qwen2Config
 from models.qwen2.initializers import dense_init, embed_init
-from models.qwen2.linear import Projector, materialize
+from models.qwen2.linear import Projector
 from models.qwen2.norm import RMSNorm
 from models.qwen2.rope import rope_frequencies
 
@@ -40,10 +40,6 @@ class Qwen2ForCausalLM(nnx.Module):
   # biases, RoPE and the cache write in two kernels (jaxflash.qkv_projection) instead of
   # seven; False: apart.
   fused_qkv = True
-  # With skinny_decode on one device: the pre-MLP RMSNorm, gate, up, SiLU and down in two
-  # kernels (jaxflash.gated_mlp), the residual adds left as partial sums for the next
-  # kernel to add as it reads them (the MLP's, the next layer's q/k/v); False: apart.
-  fused_mlp = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
@@ -92,7 +88,7 @@ class Qwen2ForCausalLM(nnx.Module):
     with jax.named_scope("embed"):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
-    projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv, self.fused_mlp)
+    projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv)
     write_kernel = self.cache_write_kernel and self.tensor_parallel is None
     layer_caches = []
     for index, layer in enumerate(self.layers):
@@ -101,7 +97,7 @@ class Qwen2ForCausalLM(nnx.Module):
         x, kv = layer(x, rope, lengths, kv, attention_impl=impl, projector=projector)
         layer_caches.append(kv)
     with jax.named_scope("final_norm"):
-      x = self.final_norm(materialize(x))
+      x = self.final_norm(x)
     if cache is not None:
       new_lengths = jnp.full((batch,), steps, jnp.int32) if lengths is None else lengths
       cache = cache.update(layer_caches, new_lengths)
