@@ -68,13 +68,14 @@ def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: 
   num_full = lax.div(end - first, block_k)
   num_tiles = lax.div(end - first + block_k - 1, block_k)
 
-  def fetch(k0):
-    """The tile of x at k0 (and of the scale): rows past M and columns past K read as zeros."""
-    x = load_masked(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)],
-                    mask2d(row_ok, (k0 + jnp.arange(block_k)) < k_size, (MAX_ROWS, block_k)))
-    if scale_ref is None:
-      return x, None
-    return x, load_masked(scale_ref.at[pl.ds(k0, block_k)], (k0 + jnp.arange(block_k)) < k_size)
+  def in_k(k0):
+    return (k0 + jnp.arange(block_k)) < k_size
+
+  def fetch(k0, k_ok):
+    """The tile of x at k0 (and of the scale): rows past M, and columns where not k_ok (None:
+    all in range), read as zeros."""
+    x = load_masked(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(k0, block_k)], mask2d(row_ok, k_ok))
+    return x, None if scale_ref is None else load_masked(scale_ref.at[pl.ds(k0, block_k)], k_ok)
 
   # x as given feeds the dot as it is loaded, and Triton's pipeline prefetches that load.
   # Normalised, it passes through fp32 arithmetic first, and the pipeline leaves such a
@@ -85,11 +86,11 @@ def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: 
   def body(i, carry, *, masked: bool):
     acc, sum_sq, fetched = carry
     k0 = first + i * block_k
-    k_ok = (k0 + jnp.arange(block_k)) < k_size if masked else None
-    if ahead:
-      (x, scale), fetched = fetched, fetch(k0 + block_k)
+    k_ok = in_k(k0) if masked else None
+    if ahead:  # the next tile may lie past K, even in the unmasked loop: masked by K always
+      (x, scale), fetched = fetched, fetch(k0 + block_k, in_k(k0 + block_k))
     else:
-      x, scale = fetch(k0)
+      x, scale = fetch(k0, k_ok)
     if scale_ref is not None:
       x = x.astype(jnp.float32)
       sum_sq = sum_sq + jnp.sum(x * x, axis=1)
@@ -100,7 +101,7 @@ def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: 
 
   # Whole tiles unmasked; only the last tile of K, if ragged, pays for masks.
   carry = (jnp.zeros((MAX_ROWS, block_n), jnp.float32), jnp.zeros((MAX_ROWS,), jnp.float32),
-           fetch(first) if ahead else None)
+           fetch(first, in_k(first)) if ahead else None)
   carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
   acc, sum_sq, _ = lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
   out_mask = mask2d(row_ok, col_ok)
