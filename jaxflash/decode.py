@@ -14,6 +14,7 @@ how a tile of tokens is addressed.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,20 @@ from jaxflash.configs import DECODE_QUERY_ROWS, DecodeConfig
 from jaxflash.reference import attention_reference
 
 NEG_INF = float("-inf")
+
+
+class SplitKV(NamedTuple):
+  """Split-KV decode's chunk results before the merge (`return_partials=True`).
+
+  out [B, S, N, H] float32: each chunk's softmax-normalised output; lse2 [B, S, N] float32:
+  each chunk's log-sum-exp in base 2 (-inf for a chunk holding no tokens). Chunk i holds
+  the share 2^(lse2_i - LSE2) of the softmax mass, LSE2 = log2(sum_i 2^lse2_i), so the
+  attention output is the sum of the chunks' outputs weighted by those shares
+  (`decode_combine_reference`; `jaxflash.project_split_kv` merges and projects in one kernel).
+  """
+
+  out: jax.Array
+  lse2: jax.Array
 
 
 # --------------------------------------------------------------------------------------
@@ -212,18 +227,22 @@ def chunking(num_splits: int | None, batch: int, kv_heads: int, capacity: int,
 
 def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_dtype, kv_heads: int,
                     capacity: int, scale: float, num_splits: int | None, config: DecodeConfig,
-                    interpret: bool, name: str):
+                    interpret: bool, name: str, merge: bool = True):
   """Runs the split-KV kernel and, with more than one chunk, the combine.
 
   query3 [B, N, H]; k_rows/v_rows the caches as the kernel indexes them.
-  Returns out [B, N, H] (out_dtype) and lse [B, N] float32 (natural log).
+  Returns out [B, N, H] (out_dtype) and lse [B, N] float32 (natural log); without `merge`,
+  the chunks' SplitKV instead (even for one chunk).
   """
   batch, num_heads, head_dim = query3.shape
   if capacity == 0:  # an empty cache: nothing to attend to
+    if not merge:
+      return SplitKV(jnp.zeros((batch, 1, num_heads, head_dim), jnp.float32),
+                     jnp.full((batch, 1, num_heads), NEG_INF, jnp.float32))
     return (jnp.zeros((batch, num_heads, head_dim), out_dtype),
             jnp.full((batch, num_heads), NEG_INF, jnp.float32))
   chunk, splits = chunking(num_splits, batch, kv_heads, capacity, config.block_k)
-  final = splits == 1
+  final = splits == 1 and merge
   if final:  # one chunk: the kernel writes the answer itself and no combine runs
     out_shape = [jax.ShapeDtypeStruct((batch, num_heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, num_heads), jnp.float32)]
@@ -249,6 +268,8 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
     )(*inputs)
   if final:
     return out, lse
+  if not merge:
+    return SplitKV(out, lse)
   return _combine(out, lse, out_dtype=out_dtype, interpret=interpret)
 
 
@@ -295,11 +316,18 @@ def check_decode_query(query, batch: int, key_name: str) -> None:
 # Public API.
 # --------------------------------------------------------------------------------------
 
+def check_return_flags(return_residual: bool, return_partials: bool) -> None:
+  if return_residual and return_partials:
+    raise ValueError("return_residual and return_partials exclude each other: the chunks' "
+                     "SplitKV carries their log-sum-exps")
+
+
 @functools.partial(
-    jax.jit, static_argnames=("scale", "num_splits", "return_residual", "config", "interpret"))
+    jax.jit, static_argnames=("scale", "num_splits", "return_residual", "return_partials", "config",
+                              "interpret"))
 def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, scale=None,
-                     num_splits=None, return_residual=False, config: DecodeConfig | None = None,
-                     interpret: bool | None = None):
+                     num_splits=None, return_residual=False, return_partials=False,
+                     config: DecodeConfig | None = None, interpret: bool | None = None):
   """Attention of one new token per sequence over a KV cache, split-KV (Flash-Decoding).
 
   query [B, 1, N, H]; k_cache, v_cache [B, S, K, H] (S = capacity) read in place;
@@ -312,8 +340,10 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, sca
   (default `jaxflash.decode_config(H, dtype)`); interpret: Pallas interpret mode (default:
   when no GPU). Returns out [B, 1, N, H] in the query's dtype, and with
   `return_residual=True` also lse [B, 1, N] float32 (natural log; -inf for length 0,
-  whose output is zeros).
+  whose output is zeros). With `return_partials=True` the chunks are not merged: their
+  SplitKV comes back instead, for `jaxflash.project_split_kv`.
   """
+  check_return_flags(return_residual, return_partials)
   _checks.check_qkv(query, k_cache, v_cache, key_name="k_cache", value_name="v_cache")
   batch, capacity, kv_heads, head_dim = k_cache.shape
   check_decode_query(query, batch, "k_cache")
@@ -324,11 +354,15 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, sca
   config = resolve_config(config, head_dim, k_cache.dtype, paged=False)
   num_heads = query.shape[2]
 
-  out, lse = launch_split_kv(
+  out = launch_split_kv(
       lengths, None, query.reshape(batch, num_heads, head_dim), k_cache, v_cache,
       tile_index=_contiguous_tile(config.block_k, configs.padded_head_dim(head_dim)),
       out_dtype=query.dtype, kv_heads=kv_heads, capacity=capacity, scale=scale,
-      num_splits=num_splits, config=config, interpret=use_interpret(interpret), name="jaxflash_decode")
+      num_splits=num_splits, config=config, interpret=use_interpret(interpret), name="jaxflash_decode",
+      merge=not return_partials)
+  if return_partials:
+    return out
+  out, lse = out
   out = out.reshape(batch, 1, num_heads, head_dim)
   lse = lse.reshape(batch, 1, num_heads)
   return (out, lse) if return_residual else out

@@ -16,11 +16,12 @@ Given an RMSNorm's scale, the kernel multiplies x * scale instead and also sums 
 K chunk, so that a following kernel can finish the norm (`skinny_matmul_partials`, used by
 jaxflash/qkv.py).
 
-Wide products are better left to XLA: at the 1.5B model's gate and up shapes (1536 x 17920
-merged, batch 1, cold weights) XLA's GEMM reads at 3.3-3.7 TB/s on the H200, this kernel at
-up to 3.4. Tall ones are not: XLA splits the down projection's K (8960 x 1536) 16 ways and
-adds a reduction kernel, 10.9 us in the model's step against this kernel's 8.7
-(bench/NOTES.md; models/qwen2/linear.py routes by that).
+On the H200 at the 1.5B model's shapes, batch 1, in the model's step (bench/NOTES.md): gate and
+up side by side (1536 x 17920) with 64-column blocks, no K chunks, 15.4 us against XLA's GEMM's
+16.7; the tall down projection (8960 x 1536), which XLA splits 16 ways over K and finishes with a
+reduction kernel (10.9 us), 8.7. A tile sweep found nothing faster for either (more pipeline
+stages were slower). `return_partials=True` hands the K chunks' fp32 sums to a consumer kernel
+that adds them as it reads them (`jaxflash.add_rms_norm`).
 """
 from __future__ import annotations
 
@@ -169,8 +170,9 @@ def _check_inputs(x, weights: tuple):
                      f"({rows} rows): use jnp.dot for larger batches")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def skinny_matmul(x, w, *, config: LinearConfig | None = None, interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("config", "return_partials", "interpret"))
+def skinny_matmul(x, w, *, config: LinearConfig | None = None, return_partials: bool = False,
+                  interpret: bool | None = None):
   """x [..., K] with at most 16 rows in all (the leading dims' product) @ w [K, N] -> [..., N].
 
   `w` may also be a tuple of weights [K, N_i] that share x (a layer's q, k and v
@@ -178,7 +180,9 @@ def skinny_matmul(x, w, *, config: LinearConfig | None = None, interpret: bool |
   back. The product is computed in w's dtype on the tensor cores with fp32 accumulation
   (fp32 inputs multiply at full precision) and returned in the promoted dtype of x and w.
   config: tiles and K chunks (default `LinearConfig()`); interpret: Pallas interpret
-  mode (default: when no GPU).
+  mode (default: when no GPU). With `return_partials` each product comes back unsummed:
+  float32 [S, ..., N], the S K chunks' partial sums (S >= 1), for a consumer that adds
+  them as it reads them (`jaxflash.add_rms_norm`) instead of a reduction kernel.
   """
   weights = tuple(w) if isinstance(w, (tuple, list)) else (w,)
   if not weights:
@@ -190,13 +194,20 @@ def skinny_matmul(x, w, *, config: LinearConfig | None = None, interpret: bool |
   rows, k_size = math.prod(x.shape[:-1]), x.shape[-1]
   widths = tuple(int(w_i.shape[1]) for w_i in weights)
   out_dtype = jnp.result_type(x.dtype, weights[0].dtype)
-  outs = [jnp.zeros((*x.shape[:-1], n), out_dtype) for n in widths]  # empty products stay zeros
+  lead = (1, *x.shape[:-1]) if return_partials else x.shape[:-1]
+  outs = [jnp.zeros((*lead, n), jnp.float32 if return_partials else out_dtype)
+          for n in widths]  # empty products stay zeros
   live = [i for i, n in enumerate(widths) if n and rows and k_size]
   if live:
-    computed = _launch(x.reshape(rows, k_size), tuple(weights[i] for i in live),
-                       tuple(widths[i] for i in live), config, out_dtype, use_interpret(interpret))
+    live_weights, live_widths = tuple(weights[i] for i in live), tuple(widths[i] for i in live)
+    if return_partials:
+      computed, _ = _pallas_call(x.reshape(rows, k_size), live_weights, live_widths, config, out_dtype,
+                                 use_interpret(interpret), force_partial=True)
+    else:
+      computed = _launch(x.reshape(rows, k_size), live_weights, live_widths, config, out_dtype,
+                         use_interpret(interpret))
     for i, out in zip(live, computed):
-      outs[i] = out.reshape(*x.shape[:-1], widths[i])
+      outs[i] = out.reshape(*out.shape[:-2], *x.shape[:-1], widths[i])
   return tuple(outs) if isinstance(w, (tuple, list)) else outs[0]
 
 

@@ -25,7 +25,7 @@ from jax import lax
 from jaxflash import _checks, configs
 from jaxflash._triton import load, pl, use_interpret
 from jaxflash.configs import DecodeConfig
-from jaxflash.decode import check_decode_query, launch_split_kv, resolve_config
+from jaxflash.decode import check_decode_query, check_return_flags, launch_split_kv, resolve_config
 from jaxflash.reference import attention_reference, gather_pages
 
 __all__ = ["paged_decode_attention", "paged_kv_write", "gather_pages", "block_table_is_valid",
@@ -68,9 +68,10 @@ def _paged_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "num_splits", "return_residual", "config", "interpret"))
+    jax.jit, static_argnames=("scale", "num_splits", "return_residual", "return_partials", "config",
+                              "interpret"))
 def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table, *,
-                           scale=None, num_splits=None, return_residual=False,
+                           scale=None, num_splits=None, return_residual=False, return_partials=False,
                            config: DecodeConfig | None = None, interpret: bool | None = None):
   """Decode attention over a paged KV cache, split-KV.
 
@@ -86,9 +87,10 @@ def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block
 
   Returns out [B, 1, N, H] in the query's dtype, and with `return_residual=True` also lse
   [B, 1, N] float32 (natural log; -inf for length 0, whose output is zeros). num_splits,
-  config (default `jaxflash.decode_config(H, dtype, paged=True)`) and interpret as in
-  `decode_attention`.
+  config (default `jaxflash.decode_config(H, dtype, paged=True)`), return_partials and
+  interpret as in `decode_attention`.
   """
+  check_return_flags(return_residual, return_partials)
   _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages")
   num_pages, page_size, kv_heads, head_dim = k_pages.shape
   _checks.check_page_size(page_size)
@@ -109,12 +111,15 @@ def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block
   # [num_pages, page, K, H] -> [num_pages * page, K, H]: a bitcast, the pool stays in place.
   k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
   v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
-  out, lse = launch_split_kv(
+  out = launch_split_kv(
       lengths, block_table, query.reshape(batch, num_heads, head_dim), k_rows, v_rows,
       tile_index=_paged_tile(config.block_k, page_size, num_pages, head_dim_p),
       out_dtype=query.dtype, kv_heads=kv_heads, capacity=block_table.shape[1] * page_size,
       scale=scale, num_splits=num_splits, config=config, interpret=use_interpret(interpret),
-      name="jaxflash_paged_decode")
+      name="jaxflash_paged_decode", merge=not return_partials)
+  if return_partials:
+    return out
+  out, lse = out
   out = out.reshape(batch, 1, num_heads, head_dim)
   lse = lse.reshape(batch, 1, num_heads)
   return (out, lse) if return_residual else out

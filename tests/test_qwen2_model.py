@@ -93,6 +93,10 @@ def test_skinny_projections_match_xla_dots():
   assert "skinny" not in str(jax.make_jaxpr(lambda t: model(t, attention_impl="xla"))(wide))
 
 
+def skinny_calls_of(fn, x) -> int:
+  return str(jax.make_jaxpr(fn)(x)).count("pallas_call")
+
+
 def test_projector_routes_small_weights_to_one_skinny_launch(monkeypatch):
   """q/k/v-like weights sharing x run in ONE skinny launch, with their biases; a weight over
   SKINNY_MAX_WEIGHT elements, unless it is tall (K >= 4 N: a down projection), or more
@@ -103,17 +107,19 @@ def test_projector_routes_small_weights_to_one_skinny_launch(monkeypatch):
   k = nnx.Linear(32, 8, use_bias=True, bias_init=nnx.initializers.normal(1.0), rngs=rngs)
   big = nnx.Linear(32, 24, use_bias=False, rngs=rngs)
   tall = nnx.Linear(128, 32, use_bias=False, rngs=rngs)  # 4096 elements, K = 4 N
+  wide = nnx.Linear(32, 128, use_bias=False, rngs=rngs)  # N = 4 K: skinny only with `wide`
   monkeypatch.setattr(linear_module, "SKINNY_MAX_WEIGHT", 32 * 16)
   projector = linear_module.Projector(skinny=True)
+  assert skinny_calls_of(lambda x: projector(wide, x, "column"), jnp.zeros((1, 32))) == 0
+  wide_projector = linear_module.Projector(skinny=True, wide=True)
+  assert skinny_calls_of(lambda x: wide_projector(wide, x, "column"), jnp.zeros((1, 32))) == 1
+  assert linear_module._config((wide.kernel[...],)) == linear_module.WIDE_CONFIG
   x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 2, 32)), jnp.float32)
 
-  def skinny_calls(fn, x):
-    return str(jax.make_jaxpr(fn)(x)).count("pallas_call")
-
-  assert skinny_calls(lambda x: projector.many((q, k), x, "column"), x) == 1
-  assert skinny_calls(lambda x: projector(big, x, "row"), x) == 0
-  assert skinny_calls(lambda x: projector(tall, x, "row"), jnp.zeros((1, 2, 128))) == 1
-  assert skinny_calls(lambda x: projector.many((q, k), x, "column"), jnp.zeros((17, 32))) == 0
+  assert skinny_calls_of(lambda x: projector.many((q, k), x, "column"), x) == 1
+  assert skinny_calls_of(lambda x: projector(big, x, "row"), x) == 0
+  assert skinny_calls_of(lambda x: projector(tall, x, "row"), jnp.zeros((1, 2, 128))) == 1
+  assert skinny_calls_of(lambda x: projector.many((q, k), x, "column"), jnp.zeros((17, 32))) == 0
   with jax.default_matmul_precision("highest"):
     for out, layer in zip(projector.many((q, k), x, "column"), (q, k)):
       np.testing.assert_allclose(np.asarray(out), np.asarray(layer(x)), rtol=1e-5, atol=1e-5)
@@ -315,6 +321,64 @@ def test_fused_qkv_matches_the_separate_steps(model):
       model.fused_qkv = True
   np.testing.assert_allclose(np.asarray(fused_logits), np.asarray(apart_logits), rtol=2e-5, atol=2e-5)
   assert fused_tokens == apart_tokens
+
+
+@pytest.mark.parametrize("switch", ["fused_residual_norm", "skinny_wide"])
+def test_decode_step_switches_keep_the_logits(model, switch, monkeypatch):
+  """The residual add + RMSNorm kernel after the output projection, and the MLP's gate and up
+  (wide weights) through the skinny kernel: the same logits as without them, and only for
+  decode-sized inputs."""
+  from models.qwen2 import linear as linear_module
+  # The tiny model's gate and up (64 x 128) are small and only 2x wide: with these limits
+  # only `skinny_wide` sends them to the kernel (the down projection, 128 x 64, counts as
+  # tall and takes it either way).
+  monkeypatch.setattr(linear_module, "SKINNY_MAX_WEIGHT", 64 * 64)
+  monkeypatch.setattr(linear_module, "SKINNY_MIN_ASPECT", 2)
+  ids = jnp.asarray(np.random.default_rng(4).integers(0, model.config.vocab_size, (2, 5)))  # 10 rows
+  call = lambda t: model(t, attention_impl="xla")
+  jaxpr = lambda t: str(jax.make_jaxpr(lambda u: call(u))(t))  # a fresh function: traced anew
+  wide = jaxpr(jnp.concatenate([ids, ids], axis=1))  # 20 rows: XLA everywhere
+  assert "skinny" not in wide and "add_rms_norm" not in wide
+  with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
+    on, text_on = call(ids), jaxpr(ids)
+    setattr(model, switch, False)
+    try:
+      off, text_off = call(ids), jaxpr(ids)
+    finally:
+      setattr(model, switch, True)
+  if switch == "fused_residual_norm":
+    assert "jaxflash_add_rms_norm" in text_on and "jaxflash_add_rms_norm" not in text_off
+  else:  # gate and up leave XLA's dots for one more kernel (printed once for all layers)
+    assert text_on.count("pallas_call") == text_off.count("pallas_call") + 1
+  np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
+def test_decode_step_merges_attention_in_the_output_projection(model, cache_kind):
+  """On jaxflash's kernels a batch-1 decode step hands attention's split-KV chunks to
+  jaxflash.project_split_kv (merge and output projection in one kernel), then to
+  add_rms_norm; a batch of 2 keeps the merge kernel and the skinny product. Either way, the
+  same tokens as the separate merge, product, add and norm."""
+  prompts = _prompts()
+  sampler = qwen2.Sampler(model, cache=cache_kind, page_size=8)
+
+  def step_jaxpr(batch):
+    cache = sampler.make_cache(batch, 32)
+    return str(jax.make_jaxpr(lambda t, c: model(t, cache=c))(jnp.zeros((batch, 1), jnp.int32), cache))
+
+  run = lambda: [qwen2.generate(model, p, NEW_TOKENS, cache=cache_kind, page_size=8)
+                 for p in (prompts[:1], prompts)]
+  assert "jaxflash_split_kv_projection" in step_jaxpr(1)
+  batch_two = step_jaxpr(2)
+  assert "jaxflash_split_kv_projection" not in batch_two and "jaxflash_add_rms_norm" in batch_two
+  fused = run()
+  model.fused_residual_norm = False
+  try:
+    assert "jaxflash_split_kv_projection" not in step_jaxpr(1)
+    apart = run()
+  finally:
+    model.fused_residual_norm = True
+  assert fused == apart
 
 
 def test_finished_sequences_return_their_pages(model):

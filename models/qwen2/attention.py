@@ -42,6 +42,14 @@ def dot_product_attention(query, key, value, *, impl: str | None, is_causal: boo
                             implementation=impl)
 
 
+def _split_kv_chunks(query, kv: LayerKV, lengths) -> jaxflash.SplitKV:
+  """query [B, 1, N, H] over kv's contiguous or paged cache: the decode kernels' chunks."""
+  if kv.block_table is None:
+    return jaxflash.decode_attention(query, kv.keys, kv.values, lengths, return_partials=True)
+  return jaxflash.paged_decode_attention(query, kv.keys, kv.values, lengths, kv.block_table,
+                                         return_partials=True)
+
+
 class Attention(nnx.Module):
   """x [B, T, hidden] -> [B, T, hidden]: `num_heads` query heads share `num_kv_heads`
   key/value heads (query head n reads KV head n // (num_heads // num_kv_heads))."""
@@ -67,6 +75,19 @@ class Attention(nnx.Module):
     T > 1 the cache must not hold earlier tokens of these sequences (prefill from scratch:
     the prompt attends to itself only). `projector`: how the projections multiply
     (models/qwen2/linear.py)."""
+    heads, kv = self.attend(x, rope, lengths, kv, norm=norm, attention_impl=attention_impl,
+                            projector=projector)
+    with jax.named_scope("output_projection"):
+      return projector(self.o_proj, heads, "row"), kv
+
+  def attend(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], lengths: jax.Array | None,
+             kv: LayerKV | None = None, *, norm=None, attention_impl: str | None = None,
+             projector: Projector = Projector(), split_kv: bool = False
+             ) -> tuple[jax.Array | jaxflash.SplitKV, LayerKV | None]:
+    """As `__call__`, but stops before the output projection: the heads' outputs
+    [B, T, num_heads * head_dim] in x's dtype (and the LayerKV). With `split_kv`, a decode
+    step on jaxflash's kernels with a cache of x's dtype returns the split-KV chunks unmerged
+    instead (a jaxflash.SplitKV, for jaxflash.project_split_kv)."""
     batch, steps, _ = x.shape
     layers = (self.q_proj, self.k_proj, self.v_proj)
     new_lengths = jnp.full((batch,), steps, jnp.int32) if lengths is None else lengths
@@ -95,10 +116,9 @@ class Attention(nnx.Module):
       else:
         # One new token: it sees every cached key (a bottom-right diagonal at S_b),
         # so the decode kernels need no causal mask, only the lengths.
+        if split_kv and attention_impl is None and kv.keys.dtype == x.dtype:
+          return _split_kv_chunks(q.astype(kv.keys.dtype), kv, kv.lengths + new_lengths), kv
         out = dot_product_attention(q.astype(kv.keys.dtype), kv.keys, kv.values,
                                     impl=attention_impl, kv_lengths=kv.lengths + new_lengths,
                                     block_table=kv.block_table)
-    with jax.named_scope("output_projection"):
-      out = projector(self.o_proj, out.reshape(batch, steps, self.num_heads * self.head_dim).astype(x.dtype),
-                      "row")
-    return out, kv
+    return out.reshape(batch, steps, self.num_heads * self.head_dim).astype(x.dtype), kv

@@ -29,8 +29,13 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x: jax.Array, rope, lengths, kv: LayerKV | None = None, *,
                attention_impl: str | None = None, projector: Projector = Projector()
                ) -> tuple[jax.Array, LayerKV | None]:
-    attended, kv = self.attention(x, rope, lengths, kv, norm=self.pre_attention_norm,
-                                  attention_impl=attention_impl, projector=projector)
-    x = x + attended
-    x = x + self.mlp(self.pre_mlp_norm(x), projector=projector)
+    # Fused, a batch-1 decode step's attention hands its chunks to the output projection
+    # unmerged (models/qwen2/linear.py, SPLIT_KV_MAX_ROWS).
+    split_kv = projector.takes_split_kv(self.attention.o_proj, x, self.pre_mlp_norm)
+    heads, kv = self.attention.attend(x, rope, lengths, kv, norm=self.pre_attention_norm,
+                                      attention_impl=attention_impl, projector=projector,
+                                      split_kv=split_kv)
+    with jax.named_scope("output_projection"):  # x + o_proj(heads), and the MLP's input
+      x, normed = projector.add_norm(self.attention.o_proj, heads, x, self.pre_mlp_norm, "row")
+    x = x + self.mlp(normed, projector=projector)
     return x, kv

@@ -40,6 +40,13 @@ class Qwen2ForCausalLM(nnx.Module):
   # biases, RoPE and the cache write in two kernels (jaxflash.qkv_projection) instead of
   # seven; False: apart.
   fused_qkv = True
+  # With skinny_decode: the MLP's gate and up products (wide weights) through the skinny
+  # kernel too, with narrow column blocks (models/qwen2/linear.py); False: XLA's GEMM.
+  skinny_wide = True
+  # With skinny_decode on one device: the output projection's partial sums, the residual add
+  # and the RMSNorm before the MLP in one kernel after the product (jaxflash.add_rms_norm)
+  # instead of XLA's two; False: apart.
+  fused_residual_norm = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
@@ -88,7 +95,8 @@ class Qwen2ForCausalLM(nnx.Module):
     with jax.named_scope("embed"):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
-    projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv)
+    projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv, self.skinny_wide,
+                          self.fused_residual_norm)
     write_kernel = self.cache_write_kernel and self.tensor_parallel is None
     layer_caches = []
     for index, layer in enumerate(self.layers):
