@@ -56,7 +56,8 @@ def test_add_rms_norm_matches_float64(case, interpret, rng):
   # The kernel rounds where the reference does: they differ by at most one rounding of the
   # output (a different order of the fp32 sums can flip the last bit).
   one_ulp = {FP32: 1e-6, FP16: 1e-3, BF16: 8e-3}[dtype]
-  np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(ref_h, np.float32), rtol=one_ulp, atol=one_ulp)
+  np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(ref_h, np.float32),
+                             rtol=one_ulp, atol=one_ulp)
   np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(ref_normed, np.float32),
                              rtol=one_ulp, atol=one_ulp)
 
@@ -81,7 +82,8 @@ def test_skinny_partials_feed_add_rms_norm(interpret, rng):
 def test_zero_rows_give_zeros_not_nan(interpret):
   """A row of zeros (a padded batch row) normalises to zeros: rsqrt(eps) times 0."""
   x = jnp.zeros((2, 64), FP32)
-  h, normed = jaxflash.add_rms_norm(x, jnp.zeros((4, 2, 64), FP32), jnp.ones((64,), FP32), interpret=interpret)
+  h, normed = jaxflash.add_rms_norm(x, jnp.zeros((4, 2, 64), FP32), jnp.ones((64,), FP32),
+                                    interpret=interpret)
   np.testing.assert_array_equal(np.asarray(normed), 0.0)
   np.testing.assert_array_equal(np.asarray(h), 0.0)
 

@@ -38,8 +38,9 @@ class Projector:
   most SKINNY_MAX_WEIGHT elements (or a tall one, or with `wide` a wide one), a product runs
   through `jaxflash.skinny_matmul`, which reads the weight once where XLA's lowering of small
   products reads it three times (jaxflash/linear.py); the bias add and the kernel's partial
-  sums fuse into one XLA kernel. On a model split over devices (`tensor_parallel`) each device multiplies its
-  own shard of the weight. Otherwise, and by default, it is plain `layer(x)`.
+  sums fuse into one XLA kernel. On a model split over devices (`tensor_parallel`) each
+  device multiplies its own shard of the weight. Otherwise, and by default, it is plain
+  `layer(x)`.
   """
 
   skinny: bool = False
