@@ -152,6 +152,23 @@ def _contiguous_tile(block_k: int, head_dim_p: int):
   return tile_index
 
 
+def chunk_shares(lse2):
+  """lse2 [S_p] the chunks' log2-sum-exps (-inf: an empty or padding chunk) -> (top, share
+  [S_p], total): chunk i holds share_i / total of the softmax mass, and the merged
+  log2-sum-exp is top + log2(total). Every chunk empty (length 0): shares and total 0, never
+  NaN. Shared by the combine kernel and jaxflash/split_kv_projection.py."""
+  top = jnp.max(lse2)
+  top = jnp.where(top == NEG_INF, 0.0, top)
+  share = jnp.exp2(lse2 - top)
+  return top, share, jnp.sum(share)
+
+
+def merge_chunks(share, total, chunks):
+  """chunks [S_p, W] the chunks' normalised outputs -> [W], weighted by `chunk_shares`'
+  shares (zeros when total is 0)."""
+  return jnp.sum(share[:, None] * chunks, axis=0) / jnp.where(total > 0.0, total, 1.0)
+
+
 COMBINE_BLOCK_H = 32  # head dims per combine program: more, smaller programs finish sooner
 
 
@@ -177,13 +194,10 @@ def _combine_kernel(
   col_ok = (j * block_h + jnp.arange(block_h)) < head_dim
   dims = pl.ds(j * block_h, block_h)
   lse = load(lse_part_ref.at[b, pl.ds(0, splits_p), n], mask=split_ok, other=NEG_INF)
-  m = jnp.max(lse)
-  m = jnp.where(m == NEG_INF, 0.0, m)  # every chunk empty (length 0): weights 0, not NaN
-  w = jnp.exp2(lse - m)  # [splits_p]
-  total = jnp.sum(w)
+  m, w, total = chunk_shares(lse)  # w [splits_p]
   o = load(o_part_ref.at[b, pl.ds(0, splits_p), n, dims], mask=split_ok[:, None] & col_ok[None, :],
            other=0.0)
-  out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(total > 0.0, total, 1.0)
+  out = merge_chunks(w, total, o)
   store(o_ref.at[b, n, dims], out.astype(o_ref.dtype), mask=col_ok)
 
   @pl.when(j == 0)

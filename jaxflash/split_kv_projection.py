@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import _checks, configs
-from jaxflash._triton import CompilerParams, load, load_masked, mask2d, pl, quiet, store, use_interpret
-from jaxflash.decode import SplitKV
+from jaxflash._triton import LN_2, CompilerParams, load, load_masked, mask2d, pl, quiet, store, use_interpret
+from jaxflash.decode import SplitKV, chunk_shares, decode_combine_reference, merge_chunks
 
 NEG_INF = float("-inf")
 BLOCK_N = 64  # output columns per program (64 x 4 warps: 3.9 us at the 1.5B o_proj, 128: 4.3)
@@ -58,11 +58,8 @@ def _merge_project_kernel(out_ref, lse2_ref, w_ref, o_ref, *, batch: int, rows: 
     lse2 = load(lse2_ref.at[b, pl.ds(0, splits_p), n], mask=split_ok, other=NEG_INF)  # [S_p]
     chunks = load_masked(out_ref.at[b, pl.ds(0, splits_p), n, pl.ds(0, head_dim_p)],
                          mask2d(split_ok, dim_ok, (splits_p, head_dim_p)))  # [S_p, H_p]
-    top = jnp.max(lse2)
-    top = jnp.where(top == NEG_INF, 0.0, top)  # every chunk empty (length 0): weights 0, not NaN
-    share = jnp.exp2(lse2 - top)
-    total = jnp.sum(share)
-    head = jnp.sum(share[:, None] * chunks, axis=0) / jnp.where(total > 0.0, total, 1.0)  # [H_p]
+    _, share, total = chunk_shares(lse2)  # every chunk empty (length 0): zeros, not NaN
+    head = merge_chunks(share, total, chunks)  # [H_p]
     # The merged head rounded as the attention's output would be, then the product in fp32.
     head = head.astype(merged_dtype).astype(jnp.float32)
     product = jnp.sum(head[:, None] * w, axis=0)  # [block_n]
@@ -123,13 +120,9 @@ def project_split_kv(split: SplitKV, w, *, merged_dtype=None, return_partials: b
 
 
 def project_split_kv_reference(split: SplitKV, w, *, merged_dtype=None):
-  """Plain JAX: merge the chunks (the combine's math), round, then the product in fp32."""
+  """Plain JAX: merge the chunks (`decode_combine_reference`), round, then the product in fp32."""
   out, lse2 = split
-  top = jnp.max(lse2, axis=1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  share = jnp.exp2(lse2 - top)  # [B, S, N]
-  total = jnp.sum(share, axis=1)  # [B, N]
-  merged = jnp.sum(share[..., None] * out, axis=1) / jnp.where(total > 0.0, total, 1.0)[..., None]
+  merged, _ = decode_combine_reference(jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse2, 1, 2) * LN_2)  # [B, N, H]
   merged = merged.astype(w.dtype if merged_dtype is None else merged_dtype).astype(jnp.float32)
   batch = out.shape[0]
   product = jnp.matmul(merged.reshape(batch, 1, -1), w.astype(jnp.float32),
