@@ -4,7 +4,7 @@ from jaxflash.cache_write import kv_cache_write
 from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_splits, prefill_config
 from jaxflash.decode import SplitKV, decode_attention
 from jaxflash.device import DeviceInfo, device_info
-from jaxflash.linear import LinearConfig, gated_matmul, skinny_matmul
+from jaxflash.linear import LinearConfig, skinny_matmul
 from jaxflash.paged import gather_pages, paged_decode_attention, paged_kv_write
 from jaxflash.prefill import prefill_attention
 from jaxflash.qkv import qkv_projection
@@ -17,6 +17,6 @@ __all__ = [
     "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
-    "SplitKV", "project_split_kv", "gated_matmul",
+    "SplitKV", "project_split_kv",
 ]
 __version__ = "0.1.0"

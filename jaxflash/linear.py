@@ -51,12 +51,11 @@ class LinearConfig:
   num_splits: int | None = None
 
 
-def _column_block(x_ref, w_refs: tuple, o_ref, j, s, *, rows: int, k_size: int, n_size: int,
-                  block_n: int, block_k: int, chunk_tiles: int, partial: bool, precision,
-                  scale_ref=None, sum_sq_ref=None):
-  """Column block j over K chunk s: x_ref [M, K]; w_refs one weight [K, N], or a gated
-  pair (gate, up) whose block j both multiply the same tiles of x; o_ref [M, N] (one chunk)
-  or [splits, M, N] fp32 partials (one weight only), given the pair silu(x @ gate) * (x @ up).
+def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: int, block_n: int,
+                  block_k: int, chunk_tiles: int, partial: bool, precision, scale_ref=None,
+                  sum_sq_ref=None):
+  """Column block j of one weight over K chunk s: x_ref [M, K]; w_ref [K, N]; o_ref [M, N]
+  (one chunk) or [splits, M, N] fp32 partials.
 
   With `scale_ref` [K] (an RMSNorm's weight) the product is (x * scale) @ w and the
   chunk's sum of x^2 per row goes to `sum_sq_ref` [splits, M] (when given), the two
@@ -86,7 +85,7 @@ def _column_block(x_ref, w_refs: tuple, o_ref, j, s, *, rows: int, k_size: int, 
   ahead = scale_ref is not None
 
   def body(i, carry, *, masked: bool):
-    accs, sum_sq, fetched = carry
+    acc, sum_sq, fetched = carry
     k0 = first + i * block_k
     k_ok = in_k(k0) if masked else None
     if ahead:  # the next tile may lie past K, even in the unmasked loop: masked by K always
@@ -97,18 +96,15 @@ def _column_block(x_ref, w_refs: tuple, o_ref, j, s, *, rows: int, k_size: int, 
       x = x.astype(jnp.float32)
       sum_sq = sum_sq + jnp.sum(x * x, axis=1)
       x = x * scale.astype(jnp.float32)[None, :]
-    w_tile = (pl.ds(k0, block_k), pl.ds(j * block_n, block_n))
-    ws = [load_masked(w_ref.at[w_tile], mask2d(k_ok, col_ok)) for w_ref in w_refs]
-    accs = tuple(acc + dot(x.astype(w.dtype), w, precision=precision)
-                 for acc, w in zip(accs, ws))  # each [16, block_n] f32
-    return accs, sum_sq, fetched
+    w_mask = mask2d(k_ok, col_ok)
+    w = load_masked(w_ref.at[pl.ds(k0, block_k), pl.ds(j * block_n, block_n)], w_mask)
+    return acc + dot(x.astype(w.dtype), w, precision=precision), sum_sq, fetched  # acc [16, block_n] f32
 
   # Whole tiles unmasked; only the last tile of K, if ragged, pays for masks.
-  carry = (tuple(jnp.zeros((MAX_ROWS, block_n), jnp.float32) for _ in w_refs),
-           jnp.zeros((MAX_ROWS,), jnp.float32), fetch(first, in_k(first)) if ahead else None)
+  carry = (jnp.zeros((MAX_ROWS, block_n), jnp.float32), jnp.zeros((MAX_ROWS,), jnp.float32),
+           fetch(first, in_k(first)) if ahead else None)
   carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
-  accs, sum_sq, _ = lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
-  acc = accs[0] if len(accs) == 1 else silu_times(*accs, o_ref.dtype)
+  acc, sum_sq, _ = lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
   out_mask = mask2d(row_ok, col_ok)
   columns = pl.ds(j * block_n, block_n)
   if partial:
@@ -133,7 +129,7 @@ def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, normed: 
   # the kernel's top level.
   j, s = pl.program_id(0), pl.program_id(1)
   if len(widths) == 1:
-    _column_block(x_ref, w_refs, o_refs[0], j, s, n_size=widths[0], block_n=block_n,
+    _column_block(x_ref, w_refs[0], o_refs[0], j, s, n_size=widths[0], block_n=block_n,
                   scale_ref=scale_ref, sum_sq_ref=sum_sq_ref, **block)
     return
   first_block = 0
@@ -141,25 +137,10 @@ def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, normed: 
     blocks = pl.cdiv(n_size, block_n)
     is_mine = (j >= first_block) & (j < first_block + blocks)
     # The first weight's programs write the sums of squares (each chunk's, once).
-    pl.when(is_mine)(functools.partial(_column_block, x_ref, (w_ref,), o_ref, j - first_block, s,
+    pl.when(is_mine)(functools.partial(_column_block, x_ref, w_ref, o_ref, j - first_block, s,
                                        n_size=n_size, block_n=block_n, scale_ref=scale_ref,
                                        sum_sq_ref=sum_sq_ref if index == 0 else None, **block))
     first_block += blocks
-
-
-def silu_times(gate, up, dtype):
-  """silu(gate) * up from fp32 products [16, N], rounded to `dtype` where the unfused path
-  (both products stored in `dtype`, then `jax.nn.silu`, then the multiply) rounds; the
-  caller's store rounds the result."""
-  def rounded(v):
-    return v.astype(dtype).astype(jnp.float32)
-  gate, up = rounded(gate), rounded(up)
-  return rounded(gate * rounded(1.0 / (1.0 + jnp.exp(-gate)))) * up
-
-
-def _gated_kernel(x_ref, gate_ref, up_ref, o_ref, **block):
-  """Program j: column block j of silu(x @ gate) * (x @ up), over all of K."""
-  _column_block(x_ref, (gate_ref, up_ref), o_ref, pl.program_id(0), 0, **block)
 
 
 def k_chunks(config: LinearConfig, n_size: int, k_size: int, num_sms: int) -> tuple[int, int]:
@@ -173,19 +154,19 @@ def k_chunks(config: LinearConfig, n_size: int, k_size: int, num_sms: int) -> tu
   return chunk_tiles, pl.cdiv(k_tiles, chunk_tiles)
 
 
-def _check_inputs(x, weights: tuple, fn: str = "skinny_matmul"):
+def _check_inputs(x, weights: tuple):
   shapes = ", ".join(f"w {tuple(w.shape)}" for w in weights)
   if x.ndim < 1 or any(w.ndim != 2 or x.shape[-1] != w.shape[0] for w in weights):
-    raise ValueError(f"{fn} takes x [..., K] and w [K, N] (or a tuple of such w), got "
+    raise ValueError(f"skinny_matmul takes x [..., K] and w [K, N] (or a tuple of such w), got "
                      f"x {tuple(x.shape)} and {shapes}")
   for name, a in (("x", x), *(("w", w) for w in weights)):
     if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise TypeError(f"{fn} needs floating-point {name}, got {name} {a.dtype}")
+      raise TypeError(f"skinny_matmul needs floating-point {name}, got {name} {a.dtype}")
   if len({jnp.dtype(w.dtype) for w in weights}) > 1:
-    raise TypeError(f"{fn}'s weights must share a dtype, got {[str(w.dtype) for w in weights]}")
+    raise TypeError(f"skinny_matmul's weights must share a dtype, got {[str(w.dtype) for w in weights]}")
   rows = math.prod(x.shape[:-1])
   if rows > MAX_ROWS:
-    raise ValueError(f"{fn} takes at most {MAX_ROWS} rows of x, got x {tuple(x.shape)} "
+    raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows of x, got x {tuple(x.shape)} "
                      f"({rows} rows): use jnp.dot for larger batches")
 
 
@@ -228,46 +209,6 @@ def skinny_matmul(x, w, *, config: LinearConfig | None = None, return_partials: 
     for i, out in zip(live, computed):
       outs[i] = out.reshape(*out.shape[:-2], *x.shape[:-1], widths[i])
   return tuple(outs) if isinstance(w, (tuple, list)) else outs[0]
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def gated_matmul(x, w_gate, w_up, *, config: LinearConfig | None = None, interpret: bool | None = None):
-  """silu(x @ w_gate) * (x @ w_up), a SwiGLU MLP's first half, in one launch: x [..., K] with
-  at most 16 rows in all, w_gate and w_up [K, N] -> [..., N] in the promoted dtype of x and
-  the weights.
-
-  Program j multiplies each tile of x by column block j of both weights (two fp32
-  accumulators over the whole of K: no K chunks, `config.num_splits` is not used) and applies
-  the gate as it stores, where apart the SiLU and the multiply are a kernel of their own.
-  Both products, the SiLU and the result are rounded to the output dtype, as apart (XLA may
-  round inside the SiLU differently: results can differ by a rounding).
-  """
-  _check_inputs(x, (w_gate, w_up), "gated_matmul")
-  if w_gate.shape != w_up.shape:
-    raise ValueError(f"gated_matmul's w_gate and w_up must have one shape [K, N], got w_gate "
-                     f"{tuple(w_gate.shape)} and w_up {tuple(w_up.shape)}")
-  config = config or LinearConfig()
-  if not isinstance(config, LinearConfig):
-    raise TypeError(f"config must be a jaxflash.LinearConfig, got {type(config).__name__}")
-  rows, k_size = math.prod(x.shape[:-1]), x.shape[-1]
-  n_size = int(w_gate.shape[1])
-  out_dtype = jnp.result_type(x.dtype, w_gate.dtype)
-  if not (rows and k_size and n_size):  # an empty sum: silu(0) * 0
-    return jnp.zeros((*x.shape[:-1], n_size), out_dtype)
-  kernel = functools.partial(
-      _gated_kernel, rows=rows, k_size=k_size, n_size=n_size, block_n=config.block_n,
-      block_k=config.block_k, chunk_tiles=pl.cdiv(k_size, config.block_k), partial=False,
-      precision=lax.Precision.HIGHEST if jnp.dtype(w_gate.dtype) == jnp.float32 else None)
-  with quiet():
-    out = pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(n_size, config.block_n),),
-        out_shape=jax.ShapeDtypeStruct((rows, n_size), out_dtype),
-        compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=use_interpret(interpret),
-        name="jaxflash_gated_matmul",
-    )(x.reshape(rows, k_size), w_gate, w_up)
-  return out.reshape(*x.shape[:-1], n_size)
 
 
 def _launch(x, weights: tuple, widths: tuple, config: LinearConfig, out_dtype, interpret: bool):
@@ -318,12 +259,6 @@ def skinny_matmul_partials(x, weights: tuple, norm_scale, *, config: LinearConfi
   the partials). Unchecked: for jaxflash's fused kernels (jaxflash/qkv.py)."""
   return _pallas_call(x, tuple(weights), tuple(int(w.shape[1]) for w in weights), config,
                       jnp.float32, interpret, norm_scale=norm_scale, force_partial=True)
-
-
-def gated_matmul_reference(x, w_gate, w_up):
-  """silu(x @ w_gate) * (x @ w_up) in plain JAX, rounded as `gated_matmul` (for checking)."""
-  gate, up = skinny_matmul_reference(x, w_gate), skinny_matmul_reference(x, w_up)
-  return jax.nn.silu(gate) * up
 
 
 def skinny_matmul_reference(x, w):

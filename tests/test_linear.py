@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.linear import (LinearConfig, gated_matmul, gated_matmul_reference, k_chunks, skinny_matmul,
-                             skinny_matmul_reference)
+from jaxflash.linear import LinearConfig, k_chunks, skinny_matmul, skinny_matmul_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -119,54 +118,5 @@ def test_weights_of_different_dtypes_are_refused():
     skinny_matmul(jnp.zeros((2, 8), FP32), (jnp.zeros((8, 4), FP32), jnp.zeros((8, 4), BF16)))
 
 
-# (x shape, N, dtype, config): silu(x @ gate) * (x @ up) in one launch
-GATED_CASES = {
-    "one_row_bf16_wide_tiles": ((1, 192), 448, BF16, LinearConfig(block_n=64, block_k=64)),
-    "ragged_k_and_n_fp16": ((3, 1, 130), 100, FP16, LinearConfig(block_n=32, block_k=32)),
-    "sixteen_rows_fp32_splits_ignored": ((16, 96), 80, FP32, LinearConfig(block_n=16, block_k=16, num_splits=4)),
-    "default_config_bf16": ((2, 1, 64), 40, BF16, None),
-}
-
-
-def _silu_times_float64(x, w_gate, w_up):
-  x = np.asarray(x, np.float64)
-  gate, up = x @ np.asarray(w_gate, np.float64), x @ np.asarray(w_up, np.float64)
-  return gate / (1.0 + np.exp(-gate)) * up
-
-
-@pytest.mark.parametrize("case", list(GATED_CASES), ids=list(GATED_CASES))
-def test_gated_matmul_matches_reference(case, interpret, rng):
-  x_shape, n, dtype, config = GATED_CASES[case]
-  x = random_array(rng, x_shape, dtype)
-  w_gate, w_up = (random_array(rng, (x_shape[-1], n), dtype, scale=0.2) for _ in range(2))
-  if not interpret:
-    poison_allocator(jax.ShapeDtypeStruct((*x_shape[:-1], n), dtype))
-  out = gated_matmul(x, w_gate, w_up, config=config, interpret=interpret)
-  chex.assert_shape(out, (*x_shape[:-1], n))
-  chex.assert_type(out, dtype)
-  expected = _silu_times_float64(x, w_gate, w_up)
-  assert_close(out, expected, dtype)
-  assert_close(gated_matmul_reference(x, w_gate, w_up), expected, dtype, what="reference")
-  jaxpr = str(jax.make_jaxpr(lambda *a: gated_matmul(*a, config=config, interpret=interpret))(x, w_gate, w_up))
-  assert jaxpr.count("pallas_call") == 1
-
-
-def test_gated_matmul_empty_dims_give_zeros(interpret):
-  out = gated_matmul(jnp.ones((2, 0), FP32), jnp.zeros((0, 24), FP32), jnp.zeros((0, 24), FP32),
-                     interpret=interpret)
-  chex.assert_shape(out, (2, 24))
-  assert not np.asarray(out).any()
-
-
-@pytest.mark.parametrize("gate_shape,up_shape,error,match", [
-    ((64, 32), (64, 48), ValueError, r"w_gate and w_up must have one shape.*\(64, 32\).*\(64, 48\)"),
-    ((48, 32), (48, 32), ValueError, r"gated_matmul takes x \[\.\.\., K\].*\(2, 64\).*\(48, 32\)"),
-])
-def test_gated_matmul_bad_shapes_are_refused(gate_shape, up_shape, error, match):
-  with pytest.raises(error, match=match):
-    gated_matmul(jnp.zeros((2, 64), FP32), jnp.zeros(gate_shape, FP32), jnp.zeros(up_shape, FP32))
-
-
 def test_public_name():
   assert jaxflash.skinny_matmul is skinny_matmul and jaxflash.LinearConfig is LinearConfig
-  assert jaxflash.gated_matmul is gated_matmul

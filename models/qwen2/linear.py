@@ -24,9 +24,6 @@ from jaxflash.linear import MAX_ROWS
 SKINNY_MAX_WEIGHT = 1 << 23
 SKINNY_MIN_ASPECT = 4
 WIDE_CONFIG = jaxflash.LinearConfig(block_n=64, block_k=64)  # more column blocks than SMs: no K chunks
-# Gate and up in one launch: each program reads a block of both, so half WIDE_CONFIG's width
-# keeps the programs and their bytes as they were.
-GATED_CONFIG = jaxflash.LinearConfig(block_n=32, block_k=64)
 # jaxflash.project_split_kv (the decode merge in the output projection) paid at batch 1 on the
 # H200 (1.5B step -0.02 ms) and lost at batch 8 (+0.1 ms, against the merge kernel and the
 # skinny product): bench/NOTES.md.
@@ -51,7 +48,6 @@ class Projector:
   fused_qkv: bool = False  # with `skinny`: norm, q/k/v, bias, RoPE, cache write in two kernels (`qkv`)
   wide: bool = False  # with `skinny`: wide weights (the MLP's gate and up) through the kernel too
   residual_norm: bool = False  # with `skinny`: `add_norm`'s residual add and RMSNorm in one kernel
-  swiglu: bool = False  # with `skinny`: `gated`'s SiLU and multiply in the gate and up products' launch
 
   def __call__(self, layer: nnx.Linear, x: jax.Array, split: str) -> jax.Array:
     """layer(x); `split` ("column" or "row") names how a split model shards the weight."""
@@ -69,18 +65,6 @@ class Projector:
       outs = self.tensor_parallel.skinny_matmul(x, ws, split)
     return tuple(out if layer.bias is None else out + layer.bias[...].astype(dtype)
                  for layer, out in zip(layers, outs))
-
-  def gated(self, gate: nnx.Linear, up: nnx.Linear, x: jax.Array) -> jax.Array:
-    """silu(gate(x)) * up(x), a SwiGLU MLP's first half: with `swiglu` on one device, where
-    the two (bias-free, same-shape) products take the skinny kernel, in one launch
-    (`jaxflash.gated_matmul`); otherwise `many` and then XLA's SiLU and multiply."""
-    if (self.swiglu and self.tensor_parallel is None and gate.bias is None and up.bias is None
-        and gate.kernel.shape == up.kernel.shape and self._takes_skinny((gate, up), x)):
-      dtype = _compute_dtype((gate, up), x)
-      ws = tuple(layer.kernel[...].astype(dtype) for layer in (gate, up))
-      return jaxflash.gated_matmul(x.astype(dtype), *ws, config=GATED_CONFIG if _config(ws) else None)
-    gate_x, up_x = self.many((gate, up), x, "column")  # one launch when skinny
-    return jax.nn.silu(gate_x) * up_x
 
   def qkv(self, norm, layers: tuple[nnx.Linear, nnx.Linear, nnx.Linear], x: jax.Array, rope,
           head_dim: int, kv=None, new_lengths=None):

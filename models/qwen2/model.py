@@ -47,10 +47,6 @@ class Qwen2ForCausalLM(nnx.Module):
   # and the RMSNorm before the MLP in one kernel after the product (jaxflash.add_rms_norm)
   # instead of XLA's two; False: apart.
   fused_residual_norm = True
-  # With skinny_decode on one device, where gate and up take the skinny kernel: the SiLU and
-  # the gating multiply applied as the gate and up products are stored, in their launch
-  # (jaxflash.gated_matmul) instead of a kernel of their own; False: apart.
-  fused_swiglu = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
@@ -100,7 +96,7 @@ class Qwen2ForCausalLM(nnx.Module):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
     projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv, self.skinny_wide,
-                          self.fused_residual_norm, self.fused_swiglu)
+                          self.fused_residual_norm)
     write_kernel = self.cache_write_kernel and self.tensor_parallel is None
     layer_caches = []
     for index, layer in enumerate(self.layers):
