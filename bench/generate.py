@@ -8,8 +8,8 @@ Rows: batch 1 and 8 x prompts of 1K and 8K tokens, 128 new tokens. Per row: pref
 with block_until_ready, median over the steps), tokens/s = batch / that, the pipelined
 ms/step (steps dispatched back to back, nothing read), the generate loop's ms/step (the
 Sampler's own loop, which also copies and reads each step's tokens, one step behind), and
-the bytes floor of a step: (weights + K/V read at the mean context) / the HBM read ceiling measured in the
-same run. Wall clock on purpose: a user waits for the launch gaps too.
+the bytes floor of a step: (weights + K/V read at the mean context) / the HBM read ceiling
+measured in the same run. Wall clock on purpose: a user waits for the launch gaps too.
 
   python bench/generate.py [--quick] [--budget-s S] [--out DIR]   # GPU: ~5 min on an H200
   python bench/generate.py --smoke                                 # tiny config on the CPU
@@ -197,7 +197,8 @@ def hf_model(config, device: str, dtype_name: str):
 
 def bench_hf(model, shape: Shape, device: str) -> dict:
   """transformers' generate: prefill = one forward over the prompts (last logits only),
-  decode ms/step = (generate time - prefill) / (new tokens - 1)."""
+  decode ms/step = (generate time - prefill) / (new tokens - 1): its generate loop's step,
+  so the same figure fills the blocked, pipelined and generate-loop columns."""
   import torch
 
   def sync():
@@ -225,7 +226,7 @@ def bench_hf(model, shape: Shape, device: str) -> dict:
   assert out.shape[1] == shape.prompt + shape.new_tokens
   prefill_ms = statistics.median(prefill)
   step = (total_ms - prefill_ms) / (shape.new_tokens - 1)
-  return dict(prefill_ms=prefill_ms, decode_ms_step=step, pipelined_ms_step=step,
+  return dict(prefill_ms=prefill_ms, decode_ms_step=step, pipelined_ms_step=step, loop_ms_step=step,
               tokens_per_s=shape.batch / step * 1e3, compile_s=None)
 
 
@@ -381,7 +382,7 @@ def main(argv=None):
       timing="wall clock (time.perf_counter around block_until_ready)",
       method=("prefill: median of runs 2-3 (run 1 compiles); decode ms/step: median wall clock of "
               "single steps, each blocked; pipelined: steps dispatched back to back / count; "
-              "generate loop: Sampler.__call__'s decode time / steps (best of 2 calls); "
+              f"generate loop: Sampler.__call__'s decode time / steps (best of {LOOP_RUNS} calls); "
               "floor: (weights + K/V read at the mean context) / HBM read ceiling"))
   meta["notes_header"] = [
       "Attention: jaxflash = the Pallas kernels (prefill, split-KV decode, paged decode, pages of 16); "
