@@ -5,14 +5,15 @@ transformers' generate (torch, sdpa, bf16) on the same shapes when torch sees a 
 
 Rows: batch 1 and 8 x prompts of 1K and 8K tokens, 128 new tokens. Per row: prefill ms
 (median of a few runs; the first run compiles), decode ms/step (wall clock of one step
-with block_until_ready, median over the steps), tokens/s = batch / that, the pipelined
-ms/step (steps dispatched back to back, nothing read), the generate loop's ms/step (the
-Sampler's own loop, which also copies and reads each step's tokens, one step behind), and
-the bytes floor of a step: (weights + K/V read at the mean context) / the HBM read ceiling
+with block_until_ready, median over the steps), the pipelined ms/step (single steps
+dispatched back to back, nothing read), the generate loop's ms/step (the Sampler's own
+loop: several steps per dispatch, each call's tokens copied and read one call behind),
+tokens/s = batch / the loop's ms/step, and the bytes floor of a step: (weights + K/V read at the mean context) / the HBM read ceiling
 measured in the same run. Wall clock on purpose: a user waits for the launch gaps too.
 
   python bench/generate.py [--quick] [--budget-s S] [--out DIR]   # GPU: ~5 min on an H200
   python bench/generate.py --smoke                                 # tiny config on the CPU
+  python bench/generate.py --quick --loop-sweep 1,2,4,8,16         # steps per dispatch only
 """
 from __future__ import annotations
 
@@ -151,21 +152,52 @@ def bench_jax(model, shape: Shape, impl: str, cache_kind: str, page_size: int = 
   lengths_now = np.asarray(cache.lengths)
   assert (lengths_now == shape.prompt + steps).all(), lengths_now
   del cache, token, done, key
-  # The generate loop itself (Sampler.__call__, the shapes above: nothing compiles): the steps
-  # as above, plus its own host work per step (copying and reading each step's tokens, one
-  # step behind; the page allocator's bookkeeping). Best of LOOP_RUNS.
+  # The generate loop itself (Sampler.__call__, the shapes above; its multi-step call compiles
+  # in a first, untimed call): the sampler's steps_per_call steps a dispatch, plus its own host
+  # work (copying and reading each call's tokens, one call behind; the page allocator's
+  # bookkeeping). Best of LOOP_RUNS.
+  _loop_ms_per_step(sampler, prompts, shape.new_tokens)
   loop_ms = min(_loop_ms_per_step(sampler, prompts, shape.new_tokens) for _ in range(LOOP_RUNS))
   median_step = statistics.median(step_ms) if step_ms else float("nan")
   return dict(prefill_ms=statistics.median(prefill_ms), decode_ms_step=median_step,
               pipelined_ms_step=pipelined_ms if rest else None, loop_ms_step=loop_ms,
               step_device_ms=step_device_ms, kernels_per_step=kernels_per_step,
-              tokens_per_s=shape.batch / median_step * 1e3, compile_s=compile_s)
+              tokens_per_s=shape.batch / loop_ms * 1e3, compile_s=compile_s)
 
 
 def _loop_ms_per_step(sampler, prompts: np.ndarray, new_tokens: int) -> float:
   """Wall ms per decode step of one `sampler(prompts, new_tokens)` call (EOS never stops it)."""
   out = sampler(prompts.tolist(), new_tokens, eos_token_id=())
   return out.decode_seconds * 1e3 / max(out.decode_steps, 1)
+
+
+def loop_sweep(model, shapes, cases, counts, budget) -> list[dict]:
+  """The generate loop's wall ms/step against the decode steps per dispatch (the Sampler's
+  steps_per_call), per shape and attention; tokens checked against one step per call."""
+  from models.qwen2 import Sampler
+
+  rows = []
+  for shape in shapes:
+    prompts = random_prompts(shape, model.config.vocab_size).tolist()
+    for label, impl, cache in cases:
+      reference = None
+      for count in counts:
+        if budget.exhausted():
+          break
+        sampler = Sampler(model, cache=cache, attention_impl=impl, steps_per_call=count)
+        start = time.perf_counter()
+        first = sampler(prompts, shape.new_tokens, eos_token_id=())  # compiles
+        first_call_s = time.perf_counter() - start
+        reference = first.tokens if reference is None else reference
+        times = [_loop_ms_per_step(sampler, np.asarray(prompts), shape.new_tokens)
+                 for _ in range(LOOP_RUNS)]
+        rows.append(dict(batch=shape.batch, prompt=shape.prompt, new_tokens=shape.new_tokens,
+                         impl=label, cache=cache, steps_per_call=count, loop_ms_step=min(times),
+                         first_call_s=first_call_s, same_tokens=first.tokens == reference,
+                         case=f"B={shape.batch} prompt {shape.prompt} {label}"))
+        log(f"[{budget.elapsed():6.1f}s] {rows[-1]['case']} x{count}: {min(times):.3f} ms/step")
+        common.free_memory()
+  return rows
 
 
 # ----------------------------------------------------------------------------- Hugging Face
@@ -302,6 +334,9 @@ def parse_args(argv=None):
   p.add_argument("--merge", action="store_true",
                  help="keep the rows of an earlier run's generate.json that this run does not measure")
   p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
+  p.add_argument("--loop-sweep", default=None, metavar="COUNTS",
+                 help="only sweep the generate loop's decode steps per dispatch, e.g. 1,2,4,8,16 "
+                      "(writes generate_loop_sweep.*)")
   p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -312,6 +347,9 @@ def merge_earlier(path: Path, rows: list, notes: list, meta: dict):
   merged, note = common.merge_earlier_rows(
       common.read_json(path), rows, lambda r: (r["batch"], r["prompt"], r["impl"]), meta,
       what=lambda kept: f"{len(kept)} rows ({', '.join(sorted({r['impl'] for r in kept}))})")
+  for row in merged:  # Hugging Face rows from before the loop column: their step is their loop's
+    if row["impl"].startswith("HF") and row.get("decode_ms_step") and not row.get("loop_ms_step"):
+      row["loop_ms_step"] = row["decode_ms_step"]
   rank = {label: i for i, (label, *_) in enumerate(IMPLS)}
   merged = sorted(merged, key=lambda r: (r["prompt"], r["batch"], rank.get(r["impl"], len(rank))))
   return merged, notes + ([note] if note else [])
@@ -323,6 +361,7 @@ def main(argv=None):
     return hf_worker(args)
   budget = common.Budget(args.budget_s)
   from models import qwen2
+  from models.qwen2.sampler import STEPS_PER_CALL
 
   wanted = {s.strip() for s in args.impls.split(",") if s.strip()}
   config, shapes, dtype = plan(args)
@@ -333,7 +372,7 @@ def main(argv=None):
   # Hugging Face first, in a process of its own: torch and JAX never share CUDA libraries
   # (each brings its own cuDNN), and torch is done before JAX takes its share of memory.
   hf_rows: dict = {}
-  if "hf" in wanted:
+  if "hf" in wanted and not args.loop_sweep:
     hf_rows, note = run_hf_worker(args, budget)
     if note:
       notes.append(note)
@@ -348,6 +387,9 @@ def main(argv=None):
   weights = model_bytes(model)
   itemsize = jnp.dtype(model.dtype).itemsize
   log(f"[{budget.elapsed():6.1f}s] model: {weights / 1e9:.2f} GB of {dtype} weights")
+
+  if args.loop_sweep:
+    return write_loop_sweep(args, model, shapes, wanted, meta, budget, out_dir)
 
   for shape in shapes:
     kv = kv_bytes_per_step(config, shape, itemsize)
@@ -369,20 +411,17 @@ def main(argv=None):
     if hf_rows.get(shape_key(shape)):
       rows.append({**base, "impl": "HF transformers (sdpa)", "cache": "HF DynamicCache",
                    **hf_rows[shape_key(shape)]})
-  for row in rows:
-    if row.get("floor_ms") and row.get("decode_ms_step"):
-      row["floor_pct"] = 100 * row["floor_ms"] / row["decode_ms_step"]
-    if row.get("floor_ms") and row.get("pipelined_ms_step"):
-      row["pipelined_over_floor"] = row["pipelined_ms_step"] / row["floor_ms"]
-    row["case"] = f"B={row['batch']} prompt {row['prompt']} {row['impl']}"
 
   meta.update(
       title="End-to-end generation: Qwen2.5-1.5B shapes, random bf16 weights",
       model=dataclasses.asdict(config), dtype=dtype, smoke=args.smoke,
+      generate_loop_steps_per_call=STEPS_PER_CALL,
       timing="wall clock (time.perf_counter around block_until_ready)",
       method=("prefill: median of runs 2-3 (run 1 compiles); decode ms/step: median wall clock of "
               "single steps, each blocked; pipelined: steps dispatched back to back / count; "
-              f"generate loop: Sampler.__call__'s decode time / steps (best of {LOOP_RUNS} calls); "
+              "tokens/s: batch / generate loop ms/step; "
+              f"generate loop: Sampler.__call__'s decode time / steps, {STEPS_PER_CALL} steps a "
+              f"dispatch (best of {LOOP_RUNS} calls after one that compiles); "
               "floor: (weights + K/V read at the mean context) / HBM read ceiling"))
   meta["notes_header"] = [
       "Attention: jaxflash = the Pallas kernels (prefill, split-KV decode, paged decode, pages of 16); "
@@ -396,13 +435,48 @@ def main(argv=None):
              ("step_device_ms", "step device ms"), ("kernels_per_step", "kernels/step", "{:.0f}"),
              ("floor_ms", "floor ms/step"), ("floor_pct", "% of floor", "{:.0f}"),
              ("pipelined_over_floor", "pipelined / floor", "{:.2f}"),
+             ("loop_over_floor", "loop / floor", "{:.2f}"),
              ("compile_s", "compile s"), ("error", "error")]
-  plot = dict(kind="bar", x="case", y="decode_ms_step", logy=True,
-              ylabel="decode ms/step (wall, median; log scale)",
+  plot = dict(kind="bar", x="case", y="loop_ms_step", logy=True,
+              ylabel="generate loop ms/step (wall; log scale)",
               title="Qwen2.5-1.5B shapes, bf16, one H200: decode step time")
   if args.merge:
     rows, notes = merge_earlier(Path(out_dir) / "generate.json", rows, notes, meta)
+  for row in rows:
+    if row.get("floor_ms") and row.get("decode_ms_step"):
+      row["floor_pct"] = 100 * row["floor_ms"] / row["decode_ms_step"]
+    if row.get("floor_ms") and row.get("pipelined_ms_step"):
+      row["pipelined_over_floor"] = row["pipelined_ms_step"] / row["floor_ms"]
+    if row.get("floor_ms") and row.get("loop_ms_step"):
+      row["loop_over_floor"] = row["loop_ms_step"] / row["floor_ms"]
+    row["case"] = f"B={row['batch']} prompt {row['prompt']} {row['impl']}"
   paths = common.write_results("generate", rows, meta, columns, plot=plot, out_dir=out_dir, notes=notes)
+  log(common.markdown_table(rows, columns))
+  log(f"wrote {', '.join(str(p) for p in paths.values())} in {budget.elapsed():.0f} s")
+  return rows
+
+
+def write_loop_sweep(args, model, shapes, wanted, meta, budget, out_dir) -> list[dict]:
+  """--loop-sweep: runs `loop_sweep` for the jaxflash rows asked for and writes its results."""
+  counts = [int(c) for c in args.loop_sweep.split(",")]
+  cases = [(label, impl, cache) for label, impl, cache in IMPLS
+           if label in wanted and label.startswith("jaxflash")]
+  rows = loop_sweep(model, shapes, cases, counts, budget)
+  meta.update(
+      title="Generate loop vs decode steps per dispatch: Qwen2.5-1.5B shapes, random bf16 weights",
+      model=dataclasses.asdict(model.config), smoke=args.smoke,
+      timing="wall clock (time.perf_counter around Sampler.__call__'s decode loop)",
+      method=(f"per row: one Sampler call that compiles, then the best of {LOOP_RUNS} calls' decode "
+              "time / steps; same tokens: equal to the tokens of one step per call"))
+  columns = [("batch", "B"), ("prompt", "prompt"), ("impl", "attention"), ("cache", "cache"),
+             ("steps_per_call", "steps per call", "{:.0f}"),
+             ("loop_ms_step", "generate loop ms/step"), ("first_call_s", "first call s (compiles)"),
+             ("same_tokens", "same tokens")]
+  plot = dict(x="steps_per_call", y="loop_ms_step", series="case", logx=True,
+              xlabel="decode steps per dispatch", ylabel="generate loop ms/step (wall)",
+              title="Qwen2.5-1.5B shapes, bf16, one H200: generate loop vs steps per dispatch")
+  paths = common.write_results("generate_loop_sweep", rows, meta, columns, plot=plot,
+                               out_dir=out_dir)
   log(common.markdown_table(rows, columns))
   log(f"wrote {', '.join(str(p) for p in paths.values())} in {budget.elapsed():.0f} s")
   return rows

@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--attention", choices=("jaxflash", "xla", "cudnn"), default="jaxflash",
                       help="jaxflash kernels (default), jaxflash's plain-JAX path, or jax.nn's "
                       "cuDNN (GPU only)")
+  parser.add_argument("--steps-per-call", type=int, default=None,
+                      help="decode steps per dispatch (default: models.qwen2's STEPS_PER_CALL, 8)")
   parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the "
                       "checkpoint's dtype; float32 for the random model)")
   parser.add_argument("--no-stream", action="store_true",
@@ -161,8 +163,9 @@ def main(argv=None) -> int:
   print(f"attention: {attention}; {args.cache} KV cache; {jnp.dtype(model.dtype).name} on "
         f"{jax.devices()[0].device_kind}")
 
+  per_call = {} if args.steps_per_call is None else dict(steps_per_call=args.steps_per_call)
   sampler = qwen2.Sampler(model, cache=args.cache, page_size=args.page_size,
-                          attention_impl=args.attention)
+                          attention_impl=args.attention, **per_call)
   options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                  eos_token_id=eos_ids, seed=args.seed)
   # Compile the prefill and the decode step on the real shapes (a run stopped after two

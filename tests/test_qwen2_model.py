@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,6 +263,50 @@ def test_decode_step_returns_its_inputs_buffers(model):
   assert aliased.count("may-alias") + aliased.count("must-alias") == len(after)
 
 
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_several_steps_per_call_give_the_single_step_tokens(model, cache):
+  """The generate loop runs `steps_per_call` decode steps per dispatch. Six new tokens with
+  four steps a call: a full call, then one live step and three that must change nothing;
+  with an EOS, a sequence stops inside a call and the others go on."""
+  prompts = _prompts()
+  run = lambda k, **kw: qwen2.Sampler(model, cache=cache, page_size=8, attention_impl="xla",
+                                      steps_per_call=k)(prompts, NEW_TOKENS, **kw)
+  single = run(1, eos_token_id=())
+  assert single.decode_steps == NEW_TOKENS - 1
+  for k in (4, 8):
+    several = run(k, eos_token_id=())
+    assert several.tokens == single.tokens and several.decode_steps == NEW_TOKENS - 1, k
+  eos = single.tokens[0][2]  # sequence 0 stops at its third token, in the first call
+  stopped = run(1, eos_token_id=eos).tokens
+  assert stopped[0] == single.tokens[0][:3] and run(4, eos_token_id=eos).tokens == stopped
+
+
+def test_multi_step_call_donates_its_outputs_and_copies_no_cache(model):
+  """Like the single step: every output of a multi-step call reuses its input's buffer
+  (tokens, done, cache, key, history), and the loop over steps updates the cache in place."""
+  sampler = qwen2.Sampler(model, cache="contiguous", attention_impl="xla", steps_per_call=3)
+  eos = jnp.asarray([-1], jnp.int32)
+  state = sampler.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32),
+                          jnp.asarray([3, 2], jnp.int32), sampler.make_cache(2, 32),
+                          jax.random.key(0), eos, SamplingParams())
+  history = jnp.full((3, 2), -1, jnp.int32)
+  before = jax.tree.leaves((state, history))
+  after = sampler.decode_steps(*state, history, 2, eos, SamplingParams())
+  assert all(x.is_deleted() for x in before)  # donated
+  chex.assert_shape(after[4], (3, 2))
+  assert (np.asarray(after[4])[2] == 0).all()  # the third step was not live: no tokens
+  assert np.asarray(after[2].lengths).tolist() == [5, 4]  # two tokens written, not three
+  compiled = sampler.steps.decode_steps.lower(
+      sampler.params, *after, jnp.int32(3), eos, sampling=SamplingParams(),
+      attention_impl=sampler.attention_impl).compile().as_text()
+  aliased = compiled.split("input_output_alias={", 1)[1].split("\n", 1)[0]
+  assert aliased.count("may-alias") + aliased.count("must-alias") == len(jax.tree.leaves(after))
+  layer_cache = after[2].layer(0).keys
+  shape = f"[{','.join(map(str, layer_cache.shape))}]"
+  assert not [l for l in compiled.splitlines()
+              if " copy(" in l and shape in l.split("=", 1)[1].split("(", 1)[0]]
+
+
 @pytest.mark.parametrize("fused_qkv", [True, False], ids=["in_qkv_finish", "kv_cache_write"])
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_cache_write_kernel_matches_the_scatter(model, cache, fused_qkv):
@@ -435,6 +480,8 @@ def test_generate_checks_its_arguments(model):
     qwen2.generate(model, [[1]], 2, attention_impl="flash")
   with pytest.raises(ValueError, match="max_position_embeddings"):
     qwen2.generate(model, [[1]], 10_000)
+  with pytest.raises(ValueError, match="steps_per_call"):
+    qwen2.generate(model, [[1]], 2, steps_per_call=0)
 
 
 # ----------------------------------------------------------------------------- the command

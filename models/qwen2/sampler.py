@@ -6,9 +6,12 @@ the decode step is a pure function of `nnx.split(model)`'s state with the cache 
 (updated in place). The paged cache's block table is int32 *data*, so growing a sequence
 by a page never recompiles.
 
-The host loop runs one step behind the device: it dispatches step s, then reads the
-tokens of step s - 1 while step s runs, so reading tokens (for EOS, streaming, and the
-page allocator) does not stall the GPU. A sequence that hits EOS is marked done on the
+One decode call runs `steps_per_call` steps on the device (a `lax.fori_loop` over the
+one-step function): dispatching a call of a 28-layer model costs ~0.8 ms of host time on
+the H200, more than half of a batch-1 step's GPU time, so one step per call would leave the
+loop host-bound. The host loop runs one call behind the device: it dispatches call c, then
+reads the tokens of call c - 1 while call c runs, so reading tokens (for EOS, streaming, and
+the page allocator) does not stall the GPU. A sequence that hits EOS is marked done on the
 device in the same step; later steps neither write its cache nor emit tokens for it.
 
 EOS handling: the returned tokens of a sequence end with its EOS token when it produced
@@ -33,6 +36,7 @@ from models.qwen2.sampling import SamplingParams, sample_logits
 
 MIN_PROMPT_BUCKET = 16
 CAPACITY_MULTIPLE = 64
+STEPS_PER_CALL = 8  # decode steps per dispatch in the generate loop (Sampler)
 CACHE_KINDS = ("paged", "contiguous")
 ATTENTION_CHOICES = (None, "jaxflash", "pallas", "xla", "cudnn")
 
@@ -93,6 +97,24 @@ def _decode(model, tokens, done, cache, key, eos_ids, sampling: SamplingParams, 
   return next_tokens, done | jnp.isin(next_tokens, eos_ids), cache, key
 
 
+def _decode_steps(model, tokens, done, cache, key, history, steps, eos_ids,
+                  sampling: SamplingParams, attention_impl):
+  """Up to K = history.shape[0] decode steps in one call: the first `steps` (an int32
+  scalar, at most K) run as `_decode`; the rest leave tokens, done, cache and key as
+  they are. history [K, B] int32 receives each step's tokens (rows past `steps`: 0).
+  Returns (tokens, done, cache, key, history)."""
+
+  def one_step(j, carry):
+    tokens, done, cache, key, history = carry
+    live = j < steps
+    next_tokens, next_done, cache, next_key = _decode(model, tokens, done | ~live, cache, key,
+                                                      eos_ids, sampling, attention_impl)
+    return (jnp.where(live, next_tokens, tokens), jnp.where(live, next_done, done), cache,
+            jnp.where(live, next_key, key), history.at[j].set(next_tokens))
+
+  return jax.lax.fori_loop(0, history.shape[0], one_step, (tokens, done, cache, key, history))
+
+
 @jax.jit
 def snapshot(x: jax.Array) -> jax.Array:
   """A copy of x in a buffer of its own, made on the device in stream order (a few
@@ -101,13 +123,15 @@ def snapshot(x: jax.Array) -> jax.Array:
 
 
 class StepFunctions(NamedTuple):
-  """The jitted prefill and decode step of one model structure. Both take the weights as
-  a flat list of arrays first and have static keyword arguments `sampling` and
-  `attention_impl`; prefill donates the cache, decode every array it returns (tokens,
-  done, cache, key): read a step's tokens through `snapshot` before the next step."""
+  """The jitted prefill, decode step and multi-step decode of one model structure. All
+  take the weights as a flat list of arrays first and have static keyword arguments
+  `sampling` and `attention_impl`; prefill donates the cache, decode and decode_steps
+  every array they return (tokens, done, cache, key, and history): read tokens through
+  `snapshot` before the next call."""
 
   prefill: Callable
   decode: Callable
+  decode_steps: Callable
 
 
 @functools.lru_cache(maxsize=32)
@@ -134,7 +158,13 @@ def step_functions(graphdef, treedef) -> StepFunctions:
   def decode(params, tokens, done, cache, key, eos_ids, *, sampling, attention_impl):
     return _decode(merge(params), tokens, done, cache, key, eos_ids, sampling, attention_impl)
 
-  return StepFunctions(prefill, decode)
+  @functools.partial(jit, donate_argnames=("tokens", "done", "cache", "key", "history"))
+  def decode_steps(params, tokens, done, cache, key, history, steps, eos_ids, *, sampling,
+                   attention_impl):
+    return _decode_steps(merge(params), tokens, done, cache, key, history, steps, eos_ids,
+                         sampling, attention_impl)
+
+  return StepFunctions(prefill, decode, decode_steps)
 
 
 @dataclasses.dataclass
@@ -144,7 +174,7 @@ class GenerationOutput:
   tokens: list[list[int]]
   prefill_seconds: float  # prompts in -> first tokens on the host
   decode_seconds: float  # first tokens -> last tokens on the host
-  decode_steps: int
+  decode_steps: int  # steps run on the device (a sequence may stop before the last)
 
   @property
   def decode_tokens(self) -> int:
@@ -161,12 +191,18 @@ class Sampler:
   cache: "paged" (page pools + block tables, pages handed out as sequences grow and
   returned when they finish) or "contiguous" ([B, S, K, H] per layer). attention_impl:
   None (the model's own setting), "jaxflash" (the kernels), "xla" or "cudnn".
+  steps_per_call: decode steps per dispatch (tokens reach `stream` in groups of this many).
   """
 
   def __init__(self, model: Qwen2ForCausalLM, *, cache: str = "paged", page_size: int = 16,
-               num_pages: int | None = None, attention_impl: str | None = None):
+               num_pages: int | None = None, attention_impl: str | None = None,
+               steps_per_call: int = STEPS_PER_CALL):
     if cache not in CACHE_KINDS:
       raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
+    if not isinstance(steps_per_call, int) or steps_per_call < 1:
+      raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
+    self.steps_per_call = steps_per_call
+    self._step_counts: dict[int, jax.Array] = {}  # device scalars, one buffer per count
     self.config = model.config
     self.cache_dtype = model.dtype
     graphdef, state = nnx.split(model)
@@ -194,6 +230,16 @@ class Sampler:
     """One jitted decode step (see `_decode`); tokens, done, cache and key are donated."""
     return self.steps.decode(self.params, tokens, done, cache, key, eos_ids,
                              sampling=sampling, attention_impl=self.attention_impl)
+
+  def decode_steps(self, tokens, done, cache, key, history, steps: int, eos_ids,
+                   sampling: SamplingParams):
+    """`steps` (<= history.shape[0]) jitted decode steps in one call (see `_decode_steps`);
+    tokens, done, cache, key and history are donated."""
+    if steps not in self._step_counts:  # the same buffer every call: the CUDA graph keeps it
+      self._step_counts[steps] = jnp.asarray(steps, jnp.int32)
+    return self.steps.decode_steps(self.params, tokens, done, cache, key, history,
+                                   self._step_counts[steps], eos_ids, sampling=sampling,
+                                   attention_impl=self.attention_impl)
 
   def make_cache(self, batch: int, capacity: int):
     """An empty cache; split over the model's mesh as its heads are, when it is sharded."""
@@ -263,11 +309,10 @@ class Sampler:
         allocator.release(row)
 
     def consume(step_tokens) -> None:
-      """Reads one step's tokens (a host sync) and books them."""
-      values = np.asarray(step_tokens)
+      """Books one step's tokens [B] (host values)."""
       emitted: list[int | None] = [None] * batch
       for row in np.flatnonzero(~finished):
-        token = int(values[row])
+        token = int(step_tokens[row])
         outputs[row].append(token)
         emitted[row] = token
         if token in eos_set or len(outputs[row]) >= max_new_tokens:
@@ -276,34 +321,45 @@ class Sampler:
         for row in np.flatnonzero(~finished):
           finish(row)
 
+    def consume_call(history, count: int) -> None:
+      """Reads one call's tokens (a host sync) and books its first `count` steps."""
+      values = np.asarray(history)
+      for step_tokens in values[:count]:
+        if finished.all():
+          break
+        consume(step_tokens)
+
     start = time.perf_counter()
     next_tokens, done, cache, key = self.prefill(self.to_device(tokens), self.to_device(lengths),
                                                  cache, key, eos_ids, sampling)
-    consume(next_tokens)
+    consume(np.asarray(next_tokens))
     prefill_seconds = time.perf_counter() - start
 
+    # Every call has the same shape (one compilation); the last may run fewer live steps.
+    per_call = self.steps_per_call
+    history = jnp.zeros((per_call, batch), jnp.int32)  # each call's tokens, donated
     positions = lengths.copy()  # where each sequence's next fed token is written
-    pending = None  # the dispatched step whose tokens are not read yet
+    pending = None  # (tokens, step count) of the dispatched call not read yet
     steps = 0
     decode_start = time.perf_counter()
-    for _ in range(1, max_new_tokens):
-      if finished.all():
-        break
+    while steps < max_new_tokens - 1 and not finished.all():
+      count = min(per_call, max_new_tokens - 1 - steps)
       if allocator is not None:
         for row in np.flatnonzero(~finished):
-          allocator.reserve(row, int(positions[row]) + 1)
+          allocator.reserve(row, int(positions[row]) + count)
         if allocator.changed:
           cache = dataclasses.replace(cache, block_table=self.to_device(allocator.block_table))
           allocator.changed = False
-      next_tokens, done, cache, key = self.decode(next_tokens, done, cache, key, eos_ids, sampling)
-      readable = snapshot(next_tokens)  # the next step donates next_tokens: read a copy
-      positions += 1
-      steps += 1
+      next_tokens, done, cache, key, history = self.decode_steps(
+          next_tokens, done, cache, key, history, count, eos_ids, sampling)
+      readable = snapshot(history)  # the next call donates history: read a copy
+      positions += count
+      steps += count
       if pending is not None:
-        consume(pending)
-      pending = readable
-    if pending is not None and not finished.all():
-      consume(pending)
+        consume_call(*pending)
+      pending = (readable, count)
+    if pending is not None:
+      consume_call(*pending)
     decode_seconds = time.perf_counter() - decode_start if steps else 0.0
     return GenerationOutput(outputs, prefill_seconds, decode_seconds, steps)
 
@@ -313,7 +369,8 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_
              eos_token_id: int | Sequence[int] | None = None, cache: str = "paged",
              page_size: int = 16, num_pages: int | None = None, seed: int = 0,
              stream: Callable[[list[int | None]], bool | None] | None = None,
-             attention_impl: str | None = None) -> list[list[int]]:
+             attention_impl: str | None = None,
+             steps_per_call: int = STEPS_PER_CALL) -> list[list[int]]:
   """Continues each prompt (a list of token ids; lengths may differ) by up to
   `max_new_tokens` tokens and returns the new tokens per prompt.
 
@@ -324,9 +381,10 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_
   or "contiguous". stream(step_tokens) is called as tokens arrive with one entry per
   prompt (None once that prompt has finished); returning True stops generation.
   attention_impl: None (the model's setting, by default the kernels), "jaxflash", "xla"
-  or "cudnn".
+  or "cudnn". steps_per_call: decode steps the device runs per dispatch (the last call
+  may compute a few steps whose results are dropped).
   """
   sampler = Sampler(model, cache=cache, page_size=page_size, num_pages=num_pages,
-                    attention_impl=attention_impl)
+                    attention_impl=attention_impl, steps_per_call=steps_per_call)
   return sampler(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  eos_token_id=eos_token_id, seed=seed, stream=stream).tokens
