@@ -8,8 +8,8 @@ Rows: batch 1 and 8 x prompts of 1K and 8K tokens, 128 new tokens. Per row: pref
 with block_until_ready, median over the steps), the pipelined ms/step (single steps
 dispatched back to back, nothing read), the generate loop's ms/step (the Sampler's own
 loop: several steps per dispatch, each call's tokens copied and read one call behind),
-tokens/s = batch / the loop's ms/step, and the bytes floor of a step: (weights + K/V read at the mean context) / the HBM read ceiling
-measured in the same run. Wall clock on purpose: a user waits for the launch gaps too.
+tokens/s = batch / the loop's ms/step, and the bytes floor of a step: (weights + K/V read
+at the mean context) / the HBM read ceiling measured in the same run. Wall clock on purpose: a user waits for the launch gaps too.
 
   python bench/generate.py [--quick] [--budget-s S] [--out DIR]   # GPU: ~5 min on an H200
   python bench/generate.py --smoke                                 # tiny config on the CPU
@@ -178,7 +178,7 @@ def loop_sweep(model, shapes, cases, counts, budget) -> list[dict]:
 
   rows = []
   for shape in shapes:
-    prompts = random_prompts(shape, model.config.vocab_size).tolist()
+    prompts = random_prompts(shape, model.config.vocab_size)
     for label, impl, cache in cases:
       reference = None
       for count in counts:
@@ -186,10 +186,10 @@ def loop_sweep(model, shapes, cases, counts, budget) -> list[dict]:
           break
         sampler = Sampler(model, cache=cache, attention_impl=impl, steps_per_call=count)
         start = time.perf_counter()
-        first = sampler(prompts, shape.new_tokens, eos_token_id=())  # compiles
+        first = sampler(prompts.tolist(), shape.new_tokens, eos_token_id=())  # compiles
         first_call_s = time.perf_counter() - start
         reference = first.tokens if reference is None else reference
-        times = [_loop_ms_per_step(sampler, np.asarray(prompts), shape.new_tokens)
+        times = [_loop_ms_per_step(sampler, prompts, shape.new_tokens)
                  for _ in range(LOOP_RUNS)]
         rows.append(dict(batch=shape.batch, prompt=shape.prompt, new_tokens=shape.new_tokens,
                          impl=label, cache=cache, steps_per_call=count, loop_ms_step=min(times),

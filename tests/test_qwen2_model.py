@@ -244,6 +244,19 @@ def test_eos_stops_each_sequence_and_is_included(model):
     assert got == expected, cache
 
 
+def _donated_outputs(hlo: str) -> int:
+  """How many outputs of a compiled program reuse an input's buffer (its alias table)."""
+  aliased = hlo.split("input_output_alias={", 1)[1].split("\n", 1)[0]
+  return aliased.count("may-alias") + aliased.count("must-alias")
+
+
+def _cache_sized_copies(hlo: str, cache_array) -> list[str]:
+  """The compiled program's copy instructions whose result has one layer cache's shape."""
+  shape = f"[{','.join(map(str, cache_array.shape))}]"
+  return [l for l in hlo.splitlines()
+          if " copy(" in l and shape in l.split("=", 1)[1].split("(", 1)[0]]
+
+
 def test_decode_step_returns_its_inputs_buffers(model):
   """The decode step donates everything it returns (tokens, done, cache, key): every output
   reuses its input's buffer, so the step's CUDA graph keeps its addresses (sampler.py)."""
@@ -259,8 +272,7 @@ def test_decode_step_returns_its_inputs_buffers(model):
   compiled = sampler.steps.decode.lower(sampler.params, *jax.tree.unflatten(
       jax.tree.structure(state), after), eos, sampling=SamplingParams(),
       attention_impl=sampler.attention_impl).compile()
-  aliased = compiled.as_text().split("input_output_alias={", 1)[1].split("\n", 1)[0]
-  assert aliased.count("may-alias") + aliased.count("must-alias") == len(after)
+  assert _donated_outputs(compiled.as_text()) == len(after)
 
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
@@ -299,12 +311,8 @@ def test_multi_step_call_donates_its_outputs_and_copies_no_cache(model):
   compiled = sampler.steps.decode_steps.lower(
       sampler.params, *after, jnp.int32(3), eos, sampling=SamplingParams(),
       attention_impl=sampler.attention_impl).compile().as_text()
-  aliased = compiled.split("input_output_alias={", 1)[1].split("\n", 1)[0]
-  assert aliased.count("may-alias") + aliased.count("must-alias") == len(jax.tree.leaves(after))
-  layer_cache = after[2].layer(0).keys
-  shape = f"[{','.join(map(str, layer_cache.shape))}]"
-  assert not [l for l in compiled.splitlines()
-              if " copy(" in l and shape in l.split("=", 1)[1].split("(", 1)[0]]
+  assert _donated_outputs(compiled) == len(jax.tree.leaves(after))
+  assert not _cache_sized_copies(compiled, after[2].layer(0).keys)
 
 
 @pytest.mark.parametrize("fused_qkv", [True, False], ids=["in_qkv_finish", "kv_cache_write"])
@@ -338,10 +346,7 @@ def test_cache_write_kernel_matches_the_scatter(model, cache, fused_qkv):
                                          attention_impl=sampler.attention_impl)
   finally:
     model.fused_qkv = True
-  layer_cache = kv.layer(0).keys
-  shape = f"[{','.join(map(str, layer_cache.shape))}]"
-  copies = [l for l in lowered.compile().as_text().splitlines()
-            if " copy(" in l and shape in l.split("=", 1)[1].split("(", 1)[0]]
+  copies = _cache_sized_copies(lowered.compile().as_text(), kv.layer(0).keys)
   assert not copies, copies
 
 

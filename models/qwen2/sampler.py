@@ -336,14 +336,13 @@ class Sampler:
     prefill_seconds = time.perf_counter() - start
 
     # Every call has the same shape (one compilation); the last may run fewer live steps.
-    per_call = self.steps_per_call
-    history = jnp.zeros((per_call, batch), jnp.int32)  # each call's tokens, donated
+    history = jnp.zeros((self.steps_per_call, batch), jnp.int32)  # each call's tokens, donated
     positions = lengths.copy()  # where each sequence's next fed token is written
     pending = None  # (tokens, step count) of the dispatched call not read yet
     steps = 0
     decode_start = time.perf_counter()
     while steps < max_new_tokens - 1 and not finished.all():
-      count = min(per_call, max_new_tokens - 1 - steps)
+      count = min(self.steps_per_call, max_new_tokens - 1 - steps)
       if allocator is not None:
         for row in np.flatnonzero(~finished):
           allocator.reserve(row, int(positions[row]) + count)
