@@ -33,6 +33,8 @@ with quiet():
 dot = plgpu.dot  # `pl.dot` is gone in JAX 0.11; this one works in 0.10 and 0.11.
 load = plgpu.load
 store = plgpu.store
+atomic_add = plgpu.atomic_add  # acq_rel at GPU scope; returns the old value
+block_barrier = plgpu.debug_barrier  # bar.sync: the program's threads wait for each other (compiled only)
 CompilerParams = plgpu.CompilerParams
 
 
@@ -81,5 +83,5 @@ def use_interpret(interpret: bool | None = None) -> bool:
   return jax.default_backend() != "gpu"
 
 
-__all__ = ["pl", "plgpu", "dot", "load", "load_masked", "store", "exp2", "mask2d", "LOG2_E", "LN_2",
-           "CompilerParams", "quiet", "use_interpret"]
+__all__ = ["pl", "plgpu", "dot", "load", "load_masked", "store", "atomic_add", "block_barrier", "exp2",
+           "mask2d", "LOG2_E", "LN_2", "CompilerParams", "quiet", "use_interpret"]

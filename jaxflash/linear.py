@@ -51,7 +51,7 @@ class LinearConfig:
   num_splits: int | None = None
 
 
-def _column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: int, block_n: int,
+def column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: int, block_n: int,
                   block_k: int, chunk_tiles: int, partial: bool, precision, scale_ref=None,
                   sum_sq_ref=None):
   """Column block j of one weight over K chunk s: x_ref [M, K]; w_ref [K, N]; o_ref [M, N]
@@ -129,7 +129,7 @@ def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, normed: 
   # the kernel's top level.
   j, s = pl.program_id(0), pl.program_id(1)
   if len(widths) == 1:
-    _column_block(x_ref, w_refs[0], o_refs[0], j, s, n_size=widths[0], block_n=block_n,
+    column_block(x_ref, w_refs[0], o_refs[0], j, s, n_size=widths[0], block_n=block_n,
                   scale_ref=scale_ref, sum_sq_ref=sum_sq_ref, **block)
     return
   first_block = 0
@@ -137,7 +137,7 @@ def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, normed: 
     blocks = pl.cdiv(n_size, block_n)
     is_mine = (j >= first_block) & (j < first_block + blocks)
     # The first weight's programs write the sums of squares (each chunk's, once).
-    pl.when(is_mine)(functools.partial(_column_block, x_ref, w_ref, o_ref, j - first_block, s,
+    pl.when(is_mine)(functools.partial(column_block, x_ref, w_ref, o_ref, j - first_block, s,
                                        n_size=n_size, block_n=block_n, scale_ref=scale_ref,
                                        sum_sq_ref=sum_sq_ref if index == 0 else None, **block))
     first_block += blocks

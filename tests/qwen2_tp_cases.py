@@ -121,7 +121,7 @@ def _decode_step(sampler, cache_kind: str):
     for row in range(batch):
       allocator.reserve(row, 32)
     cache = qwen2.PagedCache(cache.key_pages, cache.value_pages,
-                             sampler.to_device(allocator.block_table), cache.lengths)
+                             sampler.to_device(allocator.block_table), cache.lengths, cache.counters)
   created = jax.tree.map(lambda x: x.sharding, cache)
   pool_shape = list((cache.key_pages if cache_kind == "paged" else cache.keys)[0].shape)
   first, done, cache, key = sampler.prefill(sampler.to_device(tokens), sampler.to_device(lengths),

@@ -2,7 +2,9 @@
 
 Cases cover GQA ratios (1 to 8, with 5 and 7), head dims 64 to 256 with 80 and 96 (whose
 halves are not multiples of the 16-dim slices: masked), K that is not a multiple of the
-tile (a masked tail), 1 to 16 rows, with and without biases, in bf16, fp16 and fp32.
+tile (a masked tail), 1 to 16 rows, with and without biases, in bf16, fp16 and fp32; each
+in one launch (the last K chunk's program finishes the heads) where the column blocks hold
+whole heads, and in two.
 """
 from __future__ import annotations
 
@@ -28,7 +30,22 @@ CASES = {
     "sixteen_rows_head256_bf16": ((4, 4, 64), 256, (2, 1, 1), True, BF16, LinearConfig(128, 16, num_splits=4)),
     "gqa1_head128_fp32": ((2, 1, 128), 128, (2, 2, 2), True, FP32, LinearConfig(64, 32, num_splits=20)),
     "gqa8_head64_bf16": ((5, 64), 64, (8, 1, 1), True, BF16, LinearConfig(16, 16, num_stages=2)),
+    "gqa8_head64_two_heads_a_block_bf16": ((5, 64), 64, (8, 1, 1), True, BF16,
+                                           LinearConfig(128, 16, num_stages=2)),
+    "sixteen_rows_head256_one_head_a_block_bf16": ((4, 4, 64), 256, (2, 1, 1), True, BF16,
+                                                   LinearConfig(256, 16, num_splits=4)),
+    "gqa1_head128_four_chunks_fp32": ((2, 1, 128), 128, (2, 2, 2), True, FP32, LinearConfig(128, 32, num_splits=4)),
 }
+
+
+def _one_launch_possible(case) -> bool:
+  """Whether the case's column blocks hold whole heads (else qkv_projection takes two launches)."""
+  _, head_dim, _, _, _, config = case
+  return (config or LinearConfig()).block_n % head_dim == 0
+
+
+LAUNCH_CASES = [(name, one) for name, case in CASES.items() for one in (True, False)
+                if not one or _one_launch_possible(case)]
 
 
 def qkv_f64(x, scale, weights, biases, cos, sin, head_dim, eps):
@@ -58,15 +75,16 @@ def make_inputs(rng, x_shape, head_dim, heads, bias, dtype):
   return x, scale, weights, biases, jnp.asarray(np.cos(angles), FP32), jnp.asarray(np.sin(angles), FP32)
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_qkv_projection_matches_float64(case, interpret, rng):
+@pytest.mark.parametrize("case,one_launch", LAUNCH_CASES,
+                         ids=[f"{name}-{'one' if one else 'two'}_launches" for name, one in LAUNCH_CASES])
+def test_qkv_projection_matches_float64(case, one_launch, interpret, rng):
   x_shape, head_dim, heads, bias, dtype, config = CASES[case]
   x, scale, weights, biases, cos, sin = make_inputs(rng, x_shape, head_dim, heads, bias, dtype)
   widths = [n * head_dim for n in heads]
   if not interpret:
     poison_allocator(*(jax.ShapeDtypeStruct((*x_shape[:-1], n), dtype) for n in widths))
   outs = qkv_projection(x, scale, weights, biases, cos, sin, head_dim=head_dim, eps=1e-5,
-                        config=config, interpret=interpret)
+                        config=config, one_launch=one_launch, interpret=interpret)
   expected = qkv_f64(x, scale, weights, biases, cos, sin, head_dim, 1e-5)
   reference = qkv_projection_reference(x, scale, weights, biases, cos, sin, head_dim=head_dim, eps=1e-5)
   assert isinstance(outs, tuple) and len(outs) == 3
@@ -85,8 +103,9 @@ CACHE_CASES = {
 }
 
 
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize("case", list(CACHE_CASES), ids=list(CACHE_CASES))
-def test_k_and_v_written_into_the_cache(case, interpret, rng):
+def test_k_and_v_written_into_the_cache(case, one_launch, interpret, rng):
   """With kv_cache, k and v land in the cache at each sequence's position (dropped for -1
   and past the cache), exactly where kv_cache_write puts the separately computed k and v;
   q is as without a cache; nothing else in the cache changes."""
@@ -107,9 +126,9 @@ def test_k_and_v_written_into_the_cache(case, interpret, rng):
   keys, values = random_array(rng, shape, dtype), random_array(rng, shape, dtype)
   q, new_keys, new_values = qkv_projection(x, scale, weights, biases, cos, sin, head_dim=head_dim,
                                            kv_cache=(keys, values), positions=positions,
-                                           block_table=table, interpret=interpret)
+                                           block_table=table, one_launch=one_launch, interpret=interpret)
   q_plain, k_plain, v_plain = qkv_projection(x, scale, weights, biases, cos, sin, head_dim=head_dim,
-                                             interpret=interpret)
+                                             one_launch=one_launch, interpret=interpret)
   np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(q_plain, np.float32))
   want_keys, want_values = kv_cache_write_reference(
       keys, values, k_plain.reshape(batch, nkv, head_dim), v_plain.reshape(batch, nkv, head_dim), positions,
@@ -134,12 +153,46 @@ def test_cache_arguments_are_checked():
                    jnp.zeros((2, 3, 8), FP32), head_dim=16, kv_cache=cache, positions=jnp.zeros((2,), jnp.int32))
 
 
-def test_two_launches_and_nothing_else(interpret, rng):
-  """The product and the finishing step: the norm, bias and RoPE are inside the two."""
-  x, scale, weights, biases, cos, sin = make_inputs(rng, (1, 64), 64, (2, 1, 1), True, FP32)
-  fn = lambda *a: qkv_projection(*a, head_dim=64, interpret=interpret)
-  jaxpr = jax.make_jaxpr(fn)(x, scale, weights, biases, cos, sin)
-  assert str(jaxpr).count("pallas_call") == 2
+@pytest.mark.parametrize("head_dim,one_launch,launches", [(64, True, 1), (64, False, 2), (80, True, 2)])
+def test_launches_and_nothing_else(head_dim, one_launch, launches, interpret, rng):
+  """One launch when the product's column blocks hold whole heads (head_dim 64 in 128-column
+  blocks), else two (the product, then the finishing step); the norm, bias and RoPE are inside."""
+  x, scale, weights, biases, cos, sin = make_inputs(rng, (1, 64), head_dim, (2, 1, 1), True, FP32)
+  fn = lambda *a: qkv_projection(*a, head_dim=head_dim, one_launch=one_launch, interpret=interpret)
+  jaxpr = str(jax.make_jaxpr(fn)(x, scale, weights, biases, cos, sin))
+  assert jaxpr.count("pallas_call") == launches
+
+
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launches"])
+def test_counters_come_back_zero_and_serve_again(one_launch, interpret, rng):
+  """Given counters, the one-launch kernel counts its K chunks in them and leaves them zero,
+  so the same buffer serves the next call (a decode loop's next layer or step): three calls
+  in a row give the first call's q, k and v; two launches hand the counters back untouched."""
+  x, scale, weights, biases, cos, sin = make_inputs(rng, (2, 1, 96), 64, (4, 2, 2), True, FP32)
+  config = LinearConfig(64, 32, num_splits=3)  # 3 K chunks to count in each of 8 column blocks
+  call = lambda counters: qkv_projection(x, scale, weights, biases, cos, sin, head_dim=64, config=config,
+                                         one_launch=one_launch, counters=counters, interpret=interpret)
+  want = qkv_projection(x, scale, weights, biases, cos, sin, head_dim=64, config=config,
+                        one_launch=one_launch, interpret=interpret)
+  counters = jnp.zeros((12,), jnp.int32)
+  for _ in range(3):
+    *outs, counters = call(counters)
+    chex.assert_shape(counters, (12,))
+    chex.assert_type(counters, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(counters), 0)
+    for out, expected in zip(outs, want):
+      np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
+def test_bad_counters_are_refused():
+  call = lambda counters: qkv_projection(*_args(heads=(4, 2, 2)), head_dim=16, counters=counters,
+                                         config=LinearConfig(32, 16))
+  with pytest.raises(TypeError, match=r"counters must be int32.*float32"):
+    call(jnp.zeros((8,), FP32))
+  with pytest.raises(ValueError, match=r"counters must be \[n\] int32.*\(2, 4\)"):
+    call(jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match=r"one slot per column block \(4\).*\(3,\)"):
+    call(jnp.zeros((3,), jnp.int32))
 
 
 def test_scale_of_x_cancels(interpret, rng):

@@ -315,11 +315,11 @@ def test_multi_step_call_donates_its_outputs_and_copies_no_cache(model):
   assert not _cache_sized_copies(compiled, after[2].layer(0).keys)
 
 
-@pytest.mark.parametrize("fused_qkv", [True, False], ids=["in_qkv_finish", "kv_cache_write"])
+@pytest.mark.parametrize("fused_qkv", [True, False], ids=["in_qkv_projection", "kv_cache_write"])
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_cache_write_kernel_matches_the_scatter(model, cache, fused_qkv):
-  """Decode steps write new keys/values with a kernel (jaxflash.qkv_projection's finishing
-  kernel, or jaxflash.kv_cache_write without the fused q/k/v): the same tokens as XLA's
+  """Decode steps write new keys/values with a kernel (jaxflash.qkv_projection's, or
+  jaxflash.kv_cache_write without the fused q/k/v): the same tokens as XLA's
   scatter, and the compiled step copies no cache-sized buffer (written in place)."""
   prompts = _prompts()
   run = lambda: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache=cache,
@@ -340,7 +340,7 @@ def test_cache_write_kernel_matches_the_scatter(model, cache, fused_qkv):
     step = lambda *args: sampler.steps.decode(*args, sampling=SamplingParams(),
                                                attention_impl=sampler.attention_impl)
     jaxpr = str(jax.make_jaxpr(step)(sampler.params, *state, eos))
-    writer = "jaxflash_qkv_finish" if fused_qkv else "jaxflash_kv_cache_write"
+    writer = "jaxflash_qkv_projection" if fused_qkv else "jaxflash_kv_cache_write"
     assert writer in jaxpr and "scatter" not in jaxpr
     lowered = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=SamplingParams(),
                                          attention_impl=sampler.attention_impl)
@@ -350,25 +350,31 @@ def test_cache_write_kernel_matches_the_scatter(model, cache, fused_qkv):
   assert not copies, copies
 
 
-def test_fused_qkv_matches_the_separate_steps(model):
-  """Decode-sized inputs (<= 16 rows) take jaxflash.qkv_projection, two kernels for the
-  pre-attention RMSNorm, q/k/v, biases and RoPE: the same logits as those steps apart, the
-  same generated tokens, and larger inputs never take it."""
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launches"])
+def test_fused_qkv_matches_the_separate_steps(model, one_launch):
+  """Decode-sized inputs (<= 16 rows) take jaxflash.qkv_projection for the pre-attention
+  RMSNorm, q/k/v, biases and RoPE (one kernel, or two with one_launch_qkv off): the same
+  logits as those steps apart, the same generated tokens, and larger inputs never take it."""
   ids = jnp.asarray(np.random.default_rng(3).integers(0, model.config.vocab_size, (2, 7)))  # 14 rows
   call = lambda t: model(t, attention_impl="xla")
-  assert "jaxflash_qkv_finish" in str(jax.make_jaxpr(call)(ids))
-  wide = jnp.concatenate([ids, ids, ids], axis=1)  # 42 rows
-  assert "jaxflash_qkv_finish" not in str(jax.make_jaxpr(call)(wide))
-  prompts = _prompts()
-  run = lambda: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache="paged", page_size=8)
-  with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
-    fused_logits, fused_tokens = call(ids), run()
-    model.fused_qkv = False
-    try:
-      assert "jaxflash_qkv_finish" not in str(jax.make_jaxpr(call)(ids))
-      apart_logits, apart_tokens = call(ids), run()
-    finally:
-      model.fused_qkv = True
+  kernel = "jaxflash_qkv_projection" if one_launch else "jaxflash_qkv_finish"
+  model.one_launch_qkv = one_launch
+  try:
+    assert kernel in str(jax.make_jaxpr(call)(ids))
+    wide = jnp.concatenate([ids, ids, ids], axis=1)  # 42 rows
+    assert "jaxflash_qkv" not in str(jax.make_jaxpr(call)(wide))
+    prompts = _prompts()
+    run = lambda: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache="paged", page_size=8)
+    with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
+      fused_logits, fused_tokens = call(ids), run()
+      model.fused_qkv = False
+      try:
+        assert "jaxflash_qkv" not in str(jax.make_jaxpr(call)(ids))
+        apart_logits, apart_tokens = call(ids), run()
+      finally:
+        model.fused_qkv = True
+  finally:
+    model.one_launch_qkv = True
   np.testing.assert_allclose(np.asarray(fused_logits), np.asarray(apart_logits), rtol=2e-5, atol=2e-5)
   assert fused_tokens == apart_tokens
 

@@ -21,6 +21,12 @@ import jax.numpy as jnp
 import jaxflash
 from models.qwen2.config import Qwen2Config
 
+# Slots of the zeroed int32 counters a cache carries for jaxflash.qkv_projection's one-launch
+# kernel (one per column block of the q/k/v product: 36 for Qwen2.5-7B's). The kernel leaves
+# them zeroed, so the decode loop passes the same donated buffer from layer to layer and step
+# to step instead of zeroing a fresh one per layer (a memset node each in the step's graph).
+COUNTER_SLOTS = 256
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +38,7 @@ class LayerKV:
   values: jax.Array
   lengths: jax.Array
   block_table: jax.Array | None = None
+  counters: jax.Array | None = None  # [COUNTER_SLOTS] int32 zeros for the fused q/k/v kernel
   # One new token per sequence (a decode step) is written by a kernel: jaxflash.qkv_projection's
   # finishing kernel on the fused q/k/v path (models/qwen2/linear.py), else
   # jaxflash.kv_cache_write; prompts, and everything with False, by XLA's scatter.
@@ -79,6 +86,7 @@ class ContiguousCache:
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
   lengths: jax.Array
+  counters: jax.Array | None = None  # [COUNTER_SLOTS] int32 zeros (see COUNTER_SLOTS)
 
   @classmethod
   def create(cls, config: Qwen2Config, batch: int, capacity: int, dtype, *,
@@ -91,18 +99,21 @@ class ContiguousCache:
     row_device = None if sharding is None else sharding.per_sequence(1, batch)
     return cls(keys=tuple(jnp.zeros(shape, dtype, device=kv_device) for _ in layers),
                values=tuple(jnp.zeros(shape, dtype, device=kv_device) for _ in layers),
-               lengths=jnp.zeros((batch,), jnp.int32, device=row_device))
+               lengths=jnp.zeros((batch,), jnp.int32, device=row_device),
+               counters=_counters(sharding))
 
   @property
   def capacity(self) -> int:
     return self.keys[0].shape[1]
 
-  def layer(self, index: int, *, write_kernel: bool = False) -> LayerKV:
-    return LayerKV(self.keys[index], self.values[index], self.lengths, write_kernel=write_kernel)
+  def layer(self, index: int, *, write_kernel: bool = False, counters: jax.Array | None = None) -> LayerKV:
+    """Layer `index`'s view; `counters`: the ones the previous layer handed on (default: the cache's)."""
+    return LayerKV(self.keys[index], self.values[index], self.lengths,
+                   counters=self.counters if counters is None else counters, write_kernel=write_kernel)
 
   def update(self, layers: list[LayerKV], new_lengths: jax.Array) -> ContiguousCache:
     return ContiguousCache(keys=tuple(l.keys for l in layers), values=tuple(l.values for l in layers),
-                           lengths=self.lengths + new_lengths)
+                           lengths=self.lengths + new_lengths, counters=layers[-1].counters)
 
 
 @jax.tree_util.register_dataclass
@@ -114,6 +125,7 @@ class PagedCache:
   value_pages: tuple[jax.Array, ...]
   block_table: jax.Array
   lengths: jax.Array
+  counters: jax.Array | None = None  # [COUNTER_SLOTS] int32 zeros (see COUNTER_SLOTS)
 
   @classmethod
   def create(cls, config: Qwen2Config, batch: int, capacity: int, dtype, *, page_size: int = 16,
@@ -131,7 +143,8 @@ class PagedCache:
     return cls(key_pages=tuple(jnp.zeros(shape, dtype, device=pool_device) for _ in layers),
                value_pages=tuple(jnp.zeros(shape, dtype, device=pool_device) for _ in layers),
                block_table=jnp.zeros((batch, max_pages), jnp.int32, device=table_device),
-               lengths=jnp.zeros((batch,), jnp.int32, device=row_device))
+               lengths=jnp.zeros((batch,), jnp.int32, device=row_device),
+               counters=_counters(sharding))
 
   @property
   def page_size(self) -> int:
@@ -145,14 +158,21 @@ class PagedCache:
   def capacity(self) -> int:
     return self.block_table.shape[1] * self.page_size
 
-  def layer(self, index: int, *, write_kernel: bool = False) -> LayerKV:
+  def layer(self, index: int, *, write_kernel: bool = False, counters: jax.Array | None = None) -> LayerKV:
+    """Layer `index`'s view; `counters`: the ones the previous layer handed on (default: the cache's)."""
     return LayerKV(self.key_pages[index], self.value_pages[index], self.lengths, self.block_table,
-                   write_kernel=write_kernel)
+                   counters=self.counters if counters is None else counters, write_kernel=write_kernel)
 
   def update(self, layers: list[LayerKV], new_lengths: jax.Array) -> PagedCache:
     return PagedCache(key_pages=tuple(l.keys for l in layers),
                       value_pages=tuple(l.values for l in layers),
-                      block_table=self.block_table, lengths=self.lengths + new_lengths)
+                      block_table=self.block_table, lengths=self.lengths + new_lengths,
+                      counters=layers[-1].counters)
+
+
+def _counters(sharding) -> jax.Array:
+  """COUNTER_SLOTS zeros, replicated on a split model's devices."""
+  return jnp.zeros((COUNTER_SLOTS,), jnp.int32, device=None if sharding is None else sharding.named())
 
 
 KVCache = ContiguousCache | PagedCache

@@ -45,9 +45,10 @@ class Projector:
 
   skinny: bool = False
   tensor_parallel: Any = None  # a models.qwen2.parallel.TensorParallel, or None
-  fused_qkv: bool = False  # with `skinny`: norm, q/k/v, bias, RoPE, cache write in two kernels (`qkv`)
+  fused_qkv: bool = False  # with `skinny`: norm, q/k/v, bias, RoPE, cache write fused (`qkv`)
   wide: bool = False  # with `skinny`: wide weights (the MLP's gate and up) through the kernel too
   residual_norm: bool = False  # with `skinny`: `add_norm`'s residual add and RMSNorm in one kernel
+  one_launch_qkv: bool = True  # with `fused_qkv`: qkv_projection's one-launch form where it applies
 
   def __call__(self, layer: nnx.Linear, x: jax.Array, split: str) -> jax.Array:
     """layer(x); `split` ("column" or "row") names how a split model shards the weight."""
@@ -69,9 +70,10 @@ class Projector:
   def qkv(self, norm, layers: tuple[nnx.Linear, nnx.Linear, nnx.Linear], x: jax.Array, rope,
           head_dim: int, kv=None, new_lengths=None):
     """(q, k, v, kv): RoPE'd q and k and plain v of norm(x) from `jaxflash.qkv_projection`,
-    two kernels in place of the RMSNorm's two, the product's, three for bias and RoPE and
-    the cache write's; None when this projector does not take that path (then: norm,
-    `many`, RoPE, as usual).
+    one kernel (two with `one_launch_qkv` off, or a head dim that does not divide the
+    product's column blocks) in place of the RMSNorm's two, the product's, three for bias
+    and RoPE and the cache write's; None when this projector does not take that path (then:
+    norm, `many`, RoPE, as usual).
 
     norm: the models.qwen2.norm.RMSNorm before the projections; rope: (cos, sin)
     [B, T, head_dim/2]. Taken with `fused_qkv` and `skinny`, on one device, for at most 16
@@ -87,13 +89,14 @@ class Projector:
               else tuple(layer.bias[...].astype(dtype) for layer in layers))
     args = (x.astype(dtype), norm.scale[...], tuple(layer.kernel[...].astype(dtype) for layer in layers),
             biases, *rope)
+    options = dict(head_dim=head_dim, eps=norm.eps, one_launch=self.one_launch_qkv)
     if kv is None or not kv.write_kernel or x.shape[1] != 1:
-      return (*jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps), kv)
-    q, keys, values = jaxflash.qkv_projection(*args, head_dim=head_dim, eps=norm.eps,
-                                              kv_cache=(kv.keys, kv.values),
-                                              positions=kv.token_positions(new_lengths),
-                                              block_table=kv.block_table)
-    return q, None, None, dataclasses.replace(kv, keys=keys, values=values)
+      return (*jaxflash.qkv_projection(*args, **options), kv)
+    # The cache's counters (zero, and left zero) spare the kernel a zeroed buffer per layer.
+    q, keys, values, *counters = jaxflash.qkv_projection(
+        *args, **options, kv_cache=(kv.keys, kv.values), positions=kv.token_positions(new_lengths),
+        block_table=kv.block_table, counters=kv.counters)
+    return q, None, None, dataclasses.replace(kv, keys=keys, values=values, counters=(counters or [None])[0])
 
   def fuses_residual_norm(self, layer: nnx.Linear, residual: jax.Array, norm) -> bool:
     """Whether `add_norm(layer, ., residual, norm)` takes the fused kernels: `residual_norm`

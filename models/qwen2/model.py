@@ -37,9 +37,12 @@ class Qwen2ForCausalLM(nnx.Module):
   # scatter everywhere.
   cache_write_kernel = True
   # With skinny_decode on one device: the pre-attention RMSNorm, the q/k/v products, their
-  # biases, RoPE and the cache write in two kernels (jaxflash.qkv_projection) instead of
-  # seven; False: apart.
+  # biases, RoPE and the cache write in jaxflash.qkv_projection instead of seven kernels;
+  # False: apart.
   fused_qkv = True
+  # With fused_qkv: qkv_projection in one launch (the product's last K chunk program
+  # finishes each head) where the head dim divides its column blocks; False: two launches.
+  one_launch_qkv = True
   # With skinny_decode: the MLP's gate and up products (wide weights) through the skinny
   # kernel too, with narrow column blocks (models/qwen2/linear.py); False: XLA's GEMM.
   skinny_wide = True
@@ -96,12 +99,14 @@ class Qwen2ForCausalLM(nnx.Module):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
     projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv, self.skinny_wide,
-                          self.fused_residual_norm)
+                          self.fused_residual_norm, self.one_launch_qkv)
     write_kernel = self.cache_write_kernel and self.tensor_parallel is None
     layer_caches = []
     for index, layer in enumerate(self.layers):
       with jax.named_scope(f"layer_{index}"):
-        kv = None if cache is None else cache.layer(index, write_kernel=write_kernel)
+        # The fused q/k/v kernel's counters go from layer to layer (models/qwen2/cache.py).
+        counters = layer_caches[-1].counters if layer_caches and cache is not None else None
+        kv = None if cache is None else cache.layer(index, write_kernel=write_kernel, counters=counters)
         x, kv = layer(x, rope, lengths, kv, attention_impl=impl, projector=projector)
         layer_caches.append(kv)
     with jax.named_scope("final_norm"):
