@@ -52,8 +52,8 @@ class LinearConfig:
 
 
 def column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: int, block_n: int,
-                  block_k: int, chunk_tiles: int, partial: bool, precision, scale_ref=None,
-                  sum_sq_ref=None):
+                 block_k: int, chunk_tiles: int, partial: bool, precision, scale_ref=None,
+                 sum_sq_ref=None):
   """Column block j of one weight over K chunk s: x_ref [M, K]; w_ref [K, N]; o_ref [M, N]
   (one chunk) or [splits, M, N] fp32 partials.
 
@@ -130,7 +130,7 @@ def _skinny_kernel(x_ref, *refs, widths: tuple[int, ...], block_n: int, normed: 
   j, s = pl.program_id(0), pl.program_id(1)
   if len(widths) == 1:
     column_block(x_ref, w_refs[0], o_refs[0], j, s, n_size=widths[0], block_n=block_n,
-                  scale_ref=scale_ref, sum_sq_ref=sum_sq_ref, **block)
+                 scale_ref=scale_ref, sum_sq_ref=sum_sq_ref, **block)
     return
   first_block = 0
   for index, (w_ref, o_ref, n_size) in enumerate(zip(w_refs, o_refs, widths)):

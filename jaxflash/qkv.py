@@ -140,6 +140,20 @@ def _cache_target(positions_ref, table_ref, *, rows: int, capacity: int, page_si
   return row, ok & (sequences < rows)
 
 
+def _bias_and_cache_refs(refs, *, has_bias: bool, cache: str | None, rows: int, capacity: int,
+                         page_size: int):
+  """Takes from the iterator `refs` the biases (if has_bias), then with a `cache` the positions,
+  the block table (if paged) and the caches' inputs -> (the three bias refs or Nones, the
+  cache target (row, ok) of `_cache_target` or None)."""
+  b_refs = [next(refs) for _ in range(3)] if has_bias else [None] * 3
+  if cache is None:
+    return b_refs, None
+  positions_ref = next(refs)
+  table_ref = next(refs) if cache == "paged" else None
+  next(refs), next(refs)  # the caches' inputs: their outputs are the same buffers
+  return b_refs, _cache_target(positions_ref, table_ref, rows=rows, capacity=capacity, page_size=page_size)
+
+
 def _head_finisher(cos_ref, sin_ref, part_refs, b_refs, out_refs, target, *, splits: int, rows: int,
                    head_dim: int):
   """finish(which, head, r): head `head` of product `which` (0: q, 1: k, 2: v) finished with
@@ -168,13 +182,8 @@ def _finish_kernel(*refs, heads: tuple[int, int, int], has_bias: bool, cache: st
   refs = iter(refs)
   sum_sq_ref, cos_ref, sin_ref = next(refs), next(refs), next(refs)
   part_refs = [next(refs) for _ in range(3)]
-  b_refs = [next(refs) for _ in range(3)] if has_bias else [None] * 3
-  target = None
-  if cache is not None:
-    positions_ref = next(refs)
-    table_ref = next(refs) if cache == "paged" else None
-    next(refs), next(refs)  # the caches' inputs: their outputs are the same buffers
-    target = _cache_target(positions_ref, table_ref, rows=rows, capacity=capacity, page_size=page_size)
+  b_refs, target = _bias_and_cache_refs(refs, has_bias=has_bias, cache=cache, rows=rows, capacity=capacity,
+                                        page_size=page_size)
   # Program ids, the cache rows and the norm factor are computed here, outside the branches:
   # interpret mode resolves program ids only at the kernel's top level.
   p = pl.program_id(0)
@@ -209,13 +218,8 @@ def _one_launch_kernel(*refs, widths: tuple[int, int, int], heads: tuple[int, in
   x_ref, scale_ref = next(refs), next(refs)
   w_refs = [next(refs) for _ in range(3)]
   cos_ref, sin_ref = next(refs), next(refs)
-  b_refs = [next(refs) for _ in range(3)] if has_bias else [None] * 3
-  target = None
-  if cache is not None:
-    positions_ref = next(refs)
-    table_ref = next(refs) if cache == "paged" else None
-    next(refs), next(refs)  # the caches' inputs: their outputs are the same buffers
-    target = _cache_target(positions_ref, table_ref, rows=rows, capacity=capacity, page_size=page_size)
+  b_refs, target = _bias_and_cache_refs(refs, has_bias=has_bias, cache=cache, rows=rows, capacity=capacity,
+                                        page_size=page_size)
   next(refs)  # the counters' input: its output is the same buffer
   part_refs = [next(refs) for _ in range(3)]
   counter_ref = next(refs)

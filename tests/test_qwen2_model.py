@@ -295,7 +295,8 @@ def test_several_steps_per_call_give_the_single_step_tokens(model, cache):
 
 def test_multi_step_call_donates_its_outputs_and_copies_no_cache(model):
   """Like the single step: every output of a multi-step call reuses its input's buffer
-  (tokens, done, cache, key, history), and the loop over steps updates the cache in place."""
+  (tokens, done, cache, key, history), and the loop over steps updates the cache in place.
+  The one-launch q/k/v kernel leaves the cache's counters zero, ready for the next call."""
   sampler = qwen2.Sampler(model, cache="contiguous", attention_impl="xla", steps_per_call=3)
   eos = jnp.asarray([-1], jnp.int32)
   state = sampler.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32),
@@ -308,6 +309,8 @@ def test_multi_step_call_donates_its_outputs_and_copies_no_cache(model):
   chex.assert_shape(after[4], (3, 2))
   assert (np.asarray(after[4])[2] == 0).all()  # the third step was not live: no tokens
   assert np.asarray(after[2].lengths).tolist() == [5, 4]  # two tokens written, not three
+  chex.assert_shape(after[2].counters, (qwen2.cache.COUNTER_SLOTS,))
+  assert not np.asarray(after[2].counters).any()
   compiled = sampler.steps.decode_steps.lower(
       sampler.params, *after, jnp.int32(3), eos, sampling=SamplingParams(),
       attention_impl=sampler.attention_impl).compile().as_text()

@@ -39,8 +39,8 @@ class LayerKV:
   lengths: jax.Array
   block_table: jax.Array | None = None
   counters: jax.Array | None = None  # [COUNTER_SLOTS] int32 zeros for the fused q/k/v kernel
-  # One new token per sequence (a decode step) is written by a kernel: jaxflash.qkv_projection's
-  # finishing kernel on the fused q/k/v path (models/qwen2/linear.py), else
+  # One new token per sequence (a decode step) is written by a kernel: jaxflash.qkv_projection
+  # on the fused q/k/v path (models/qwen2/linear.py), else
   # jaxflash.kv_cache_write; prompts, and everything with False, by XLA's scatter.
   write_kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 

@@ -96,7 +96,8 @@ class Projector:
     q, keys, values, *counters = jaxflash.qkv_projection(
         *args, **options, kv_cache=(kv.keys, kv.values), positions=kv.token_positions(new_lengths),
         block_table=kv.block_table, counters=kv.counters)
-    return q, None, None, dataclasses.replace(kv, keys=keys, values=values, counters=(counters or [None])[0])
+    counters = counters[0] if counters else kv.counters  # none come back when none went in
+    return q, None, None, dataclasses.replace(kv, keys=keys, values=values, counters=counters)
 
   def fuses_residual_norm(self, layer: nnx.Linear, residual: jax.Array, norm) -> bool:
     """Whether `add_norm(layer, ., residual, norm)` takes the fused kernels: `residual_norm`

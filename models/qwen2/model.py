@@ -101,14 +101,14 @@ class Qwen2ForCausalLM(nnx.Module):
     projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv, self.skinny_wide,
                           self.fused_residual_norm, self.one_launch_qkv)
     write_kernel = self.cache_write_kernel and self.tensor_parallel is None
-    layer_caches = []
+    layer_caches, counters = [], None
     for index, layer in enumerate(self.layers):
       with jax.named_scope(f"layer_{index}"):
-        # The fused q/k/v kernel's counters go from layer to layer (models/qwen2/cache.py).
-        counters = layer_caches[-1].counters if layer_caches and cache is not None else None
         kv = None if cache is None else cache.layer(index, write_kernel=write_kernel, counters=counters)
         x, kv = layer(x, rope, lengths, kv, attention_impl=impl, projector=projector)
         layer_caches.append(kv)
+        # The fused q/k/v kernel's counters go on to the next layer (models/qwen2/cache.py).
+        counters = None if kv is None else kv.counters
     with jax.named_scope("final_norm"):
       x = self.final_norm(x)
     if cache is not None:
