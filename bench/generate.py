@@ -9,7 +9,8 @@ with block_until_ready, median over the steps), the pipelined ms/step (single st
 dispatched back to back, nothing read), the generate loop's ms/step (the Sampler's own
 loop: several steps per dispatch, each call's tokens copied and read one call behind),
 tokens/s = batch / the loop's ms/step, and the bytes floor of a step: (weights + K/V read
-at the mean context) / the HBM read ceiling measured in the same run. Wall clock on purpose: a user waits for the launch gaps too.
+at the mean context) / the HBM read ceiling measured in the same run. Wall clock on purpose:
+a user waits for the launch gaps too.
 
   python bench/generate.py [--quick] [--budget-s S] [--out DIR]   # GPU: ~5 min on an H200
   python bench/generate.py --smoke                                 # tiny config on the CPU
@@ -173,7 +174,7 @@ def _loop_ms_per_step(sampler, prompts: np.ndarray, new_tokens: int) -> float:
 
 def loop_sweep(model, shapes, cases, counts, budget) -> list[dict]:
   """The generate loop's wall ms/step against the decode steps per dispatch (the Sampler's
-  steps_per_call), per shape and attention; tokens checked against one step per call."""
+  steps_per_call), per shape and attention; tokens checked against the first count's."""
   from models.qwen2 import Sampler
 
   rows = []
@@ -467,7 +468,7 @@ def write_loop_sweep(args, model, shapes, wanted, meta, budget, out_dir) -> list
       model=dataclasses.asdict(model.config), smoke=args.smoke,
       timing="wall clock (time.perf_counter around Sampler.__call__'s decode loop)",
       method=(f"per row: one Sampler call that compiles, then the best of {LOOP_RUNS} calls' decode "
-              "time / steps; same tokens: equal to the tokens of one step per call"))
+              "time / steps; same tokens: equal to the tokens of the sweep's first count"))
   columns = [("batch", "B"), ("prompt", "prompt"), ("impl", "attention"), ("cache", "cache"),
              ("steps_per_call", "steps per call", "{:.0f}"),
              ("loop_ms_step", "generate loop ms/step"), ("first_call_s", "first call s (compiles)"),

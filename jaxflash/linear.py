@@ -94,7 +94,8 @@ def column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: i
       x, scale = fetch(k0, k_ok)
     if scale_ref is not None:
       x = x.astype(jnp.float32)
-      sum_sq = sum_sq + jnp.sum(x * x, axis=1)
+      if sum_sq_ref is not None:  # programs that store no sums of squares do not add them up
+        sum_sq = sum_sq + jnp.sum(x * x, axis=1)
       x = x * scale.astype(jnp.float32)[None, :]
     w_mask = mask2d(k_ok, col_ok)
     w = load_masked(w_ref.at[pl.ds(k0, block_k), pl.ds(j * block_n, block_n)], w_mask)
