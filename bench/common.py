@@ -14,6 +14,7 @@ Trace format (perfetto_trace.json.gz, Chrome trace-event JSON): metadata events
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -683,6 +684,24 @@ def read_json(path) -> dict | None:
 
 
 # ----------------------------------------------------------------------------- script helpers
+
+def bench_arguments(doc: str, *, smoke: str, budget_s: float, budget_help: str | None = None,
+                    quick: str | None = None, sweep: bool = False) -> argparse.ArgumentParser:
+  """The options the benchmark scripts share: --smoke (what it runs), --budget-s, --out, and
+  --quick (when `quick` says what it keeps) and --sweep/--no-sweep (when `sweep`); a script
+  adds its own options to the parser returned. `doc`: the script's docstring."""
+  p = argparse.ArgumentParser(description=doc.split("\n")[0])
+  p.add_argument("--smoke", action="store_true", help=smoke)
+  if quick is not None:
+    p.add_argument("--quick", action="store_true", help=quick)
+  if sweep:
+    p.add_argument("--sweep", dest="sweep", action="store_true", default=True)
+    p.add_argument("--no-sweep", dest="sweep", action="store_false")
+  p.add_argument("--budget-s", type=float, default=budget_s,
+                 help=budget_help or "skip the cells left after this many seconds (results are still written)")
+  p.add_argument("--out", default=None, help=f"results folder (default {DEFAULT_OUT})")
+  return p
+
 
 def log(msg: str) -> None:
   print(msg, flush=True)

@@ -18,7 +18,6 @@ d = 128, bf16, lengths = capacity). Sweeps: Flash-Decoding's chunk count (B=1 at
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import sys
@@ -348,14 +347,8 @@ def write_sweeps(split_rows: list, stage_rows: list, meta: dict, ceiling, stage_
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--quick", action="store_true", help="fewer rows")
-  p.add_argument("--sweep", dest="sweep", action="store_true", default=True)
-  p.add_argument("--no-sweep", dest="sweep", action="store_false")
-  p.add_argument("--smoke", action="store_true", help="tiny CPU run end to end (interpret mode)")
-  p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
-  p.add_argument("--budget-s", type=float, default=360.0,
-                 help="skip the cells left after this many seconds (results are still written)")
+  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", budget_s=360.0,
+                             quick="fewer rows", sweep=True)
   p.add_argument("--min-mib", type=float, default=512.0, help="caches per row, MiB (cold reads)")
   p.add_argument("--rows", default=None, help="comma-separated BxCONTEXT subset, e.g. 1x1024,1x4096")
   p.add_argument("--merge", action="store_true",

@@ -325,16 +325,14 @@ def run_hf_worker(args, budget: common.Budget) -> tuple[dict, str | None]:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--smoke", action="store_true", help="tiny config on the CPU, end to end")
-  p.add_argument("--quick", action="store_true", help="batch 1 and 8 at 1K only")
+  p = common.bench_arguments(__doc__, smoke="tiny config on the CPU, end to end", budget_s=330.0,
+                             budget_help="no case starts after this many seconds",
+                             quick="batch 1 and 8 at 1K only")
   p.add_argument("--impls", default=",".join(label for label, *_ in IMPLS) + ",hf",
                  help="comma-separated subset of: " + ", ".join(l for l, *_ in IMPLS) + ", hf")
-  p.add_argument("--budget-s", type=float, default=330.0)
   p.add_argument("--shapes", default=None, help="comma-separated BxPROMPT subset, e.g. 1x8192,8x8192")
   p.add_argument("--merge", action="store_true",
                  help="keep the rows of an earlier run's generate.json that this run does not measure")
-  p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
   p.add_argument("--loop-sweep", default=None, metavar="COUNTS",
                  help="only sweep the generate loop's decode steps per dispatch, e.g. 1,2,4,8,16 "
                       "(writes generate_loop_sweep.*)")

@@ -19,7 +19,6 @@ GPU only, the 2-GPU rows are skipped (and say why).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -85,13 +84,10 @@ def plan(args):
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--smoke", action="store_true", help="tiny config on 2 CPU host devices")
-  p.add_argument("--budget-s", type=float, default=105.0,
-                 help="no case starts after this many seconds (the script must end by 150 s)")
+  p = common.bench_arguments(__doc__, smoke="tiny config on 2 CPU host devices", budget_s=105.0,
+                             budget_help="no case starts after this many seconds (the script must end by 150 s)")
   p.add_argument("--batches", default="1,8")
   p.add_argument("--caches", default="paged,contiguous")
-  p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
   return p.parse_args(argv)
 
 

@@ -16,7 +16,6 @@ warps x stages).
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import warnings
@@ -232,14 +231,8 @@ def main_columns():
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--quick", action="store_true", help="fewer sizes")
-  p.add_argument("--sweep", dest="sweep", action="store_true", default=True)
-  p.add_argument("--no-sweep", dest="sweep", action="store_false")
-  p.add_argument("--smoke", action="store_true", help="tiny CPU run end to end (interpret mode)")
-  p.add_argument("--out", default=None, help=f"results folder (default {common.DEFAULT_OUT})")
-  p.add_argument("--budget-s", type=float, default=360.0,
-                 help="skip the cells left after this many seconds (results are still written)")
+  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", budget_s=360.0,
+                             quick="fewer sizes", sweep=True)
   return p.parse_args(argv)
 
 

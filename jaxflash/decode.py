@@ -287,6 +287,15 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
   return _combine(out, lse, out_dtype=out_dtype, interpret=interpret)
 
 
+def public_outputs(out, *, return_residual: bool):
+  """launch_split_kv's (out [B, N, H], lse [B, N]) -> out [B, 1, N, H], with lse [B, 1, N] when
+  `return_residual`; its SplitKV (`return_partials`) as it is."""
+  if isinstance(out, SplitKV):
+    return out
+  out, lse = out
+  return (out[:, None], lse[:, None]) if return_residual else out[:, None]
+
+
 def _without_table(kernel):
   def contiguous_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     kernel(lengths_ref, None, q_ref, k_ref, v_ref, o_ref, lse_ref)
@@ -374,12 +383,7 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, sca
       out_dtype=query.dtype, kv_heads=kv_heads, capacity=capacity, scale=scale,
       num_splits=num_splits, config=config, interpret=use_interpret(interpret), name="jaxflash_decode",
       merge=not return_partials)
-  if return_partials:
-    return out
-  out, lse = out
-  out = out.reshape(batch, 1, num_heads, head_dim)
-  lse = lse.reshape(batch, 1, num_heads)
-  return (out, lse) if return_residual else out
+  return public_outputs(out, return_residual=return_residual)
 
 
 def decode_attention_reference(query, k_cache, v_cache, key_value_seq_lengths=None, *, scale=None):

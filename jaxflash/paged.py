@@ -25,7 +25,8 @@ from jax import lax
 from jaxflash import _checks, configs
 from jaxflash._triton import load, pl, use_interpret
 from jaxflash.configs import DecodeConfig
-from jaxflash.decode import check_decode_query, check_return_flags, launch_split_kv, resolve_config
+from jaxflash.decode import (check_decode_query, check_return_flags, launch_split_kv, public_outputs,
+                             resolve_config)
 from jaxflash.reference import attention_reference, gather_pages
 
 __all__ = ["paged_decode_attention", "paged_kv_write", "gather_pages", "block_table_is_valid",
@@ -117,12 +118,7 @@ def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block
       out_dtype=query.dtype, kv_heads=kv_heads, capacity=block_table.shape[1] * page_size,
       scale=scale, num_splits=num_splits, config=config, interpret=use_interpret(interpret),
       name="jaxflash_paged_decode", merge=not return_partials)
-  if return_partials:
-    return out
-  out, lse = out
-  out = out.reshape(batch, 1, num_heads, head_dim)
-  lse = lse.reshape(batch, 1, num_heads)
-  return (out, lse) if return_residual else out
+  return public_outputs(out, return_residual=return_residual)
 
 
 def block_table_is_valid(block_table, key_value_seq_lengths, *, num_pages: int, page_size: int):
