@@ -127,9 +127,8 @@ def test_partition_specs_of_7b():
 
 
 @pytest.mark.gpu
+@pytest.mark.multi_gpu
 def test_tensor_parallel_gpu():
-  if jax.device_count() < 2:
-    pytest.skip("needs 2 or more GPUs")
   from tests import qwen2_tp_cases
   with jax.default_matmul_precision("highest"):  # float32 without TF32, as on the CPU
     _check(qwen2_tp_cases.run(jax.devices()[:2]))
