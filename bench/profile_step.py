@@ -28,7 +28,7 @@ from bench.common import log  # noqa: E402
 
 # Qwen2ForCausalLM's switches for its decode-step kernels (models/qwen2/model.py).
 MODEL_FLAGS = ("fused_qkv", "skinny_decode", "cache_write_kernel", "skinny_wide", "fused_residual_norm",
-               "one_launch_qkv", "persistent_attention")
+               "one_launch_qkv")
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
 
 

@@ -1,6 +1,5 @@
 """jaxflash: fast, exact attention for JAX on NVIDIA GPUs (Pallas, Triton lowering)."""
 from jaxflash.attention import attention
-from jaxflash.attention_block import decode_attention_block
 from jaxflash.cache_write import kv_cache_write
 from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_splits, prefill_config
 from jaxflash.decode import SplitKV, decode_attention
@@ -18,6 +17,6 @@ __all__ = [
     "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
-    "SplitKV", "project_split_kv", "decode_attention_block",
+    "SplitKV", "project_split_kv",
 ]
 __version__ = "0.1.0"

@@ -35,20 +35,6 @@ load = plgpu.load
 store = plgpu.store
 atomic_add = plgpu.atomic_add  # acq_rel at GPU scope; returns the old value
 block_barrier = plgpu.debug_barrier  # bar.sync: the program's threads wait for each other (compiled only)
-
-
-def count_in(counter_ref, slot, *, interpret: bool):
-  """counter_ref[slot] += 1, returning the count before: an acquire-release atomic at GPU
-  scope when compiled (after `block_barrier`, so that all of the program's stores come
-  before it). Interpreted, programs run one after another and a plain read and write does
-  the same (interpret mode cannot discharge an atomic inside a loop)."""
-  slot = jnp.asarray(slot, jnp.int32)
-  if interpret:
-    before = counter_ref[slot]
-    counter_ref[slot] = before + 1
-    return before
-  block_barrier()
-  return atomic_add(counter_ref, slot, jnp.int32(1))
 CompilerParams = plgpu.CompilerParams
 
 
@@ -97,5 +83,5 @@ def use_interpret(interpret: bool | None = None) -> bool:
   return jax.default_backend() != "gpu"
 
 
-__all__ = ["pl", "plgpu", "dot", "load", "load_masked", "store", "atomic_add", "block_barrier", "count_in", "exp2",
+__all__ = ["pl", "plgpu", "dot", "load", "load_masked", "store", "atomic_add", "block_barrier", "exp2",
            "mask2d", "LOG2_E", "LN_2", "CompilerParams", "quiet", "use_interpret"]

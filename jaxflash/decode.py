@@ -77,22 +77,19 @@ def _split_kv_kernel(
     v_ref,  # same as k_ref
     o_ref,  # [B, num_splits, N, H] f32 partials, or [B, N, H] final (one split)
     lse_ref,  # [B, num_splits, N] f32 log2 partials, or [B, N] f32 natural-log final
-    **chunk_args,
+    *,
+    tile_index,  # (table_ref, b, h, tok0, key_ok) -> index of one K/V tile [block_k, Hp]
+    group: int,
+    head_dim: int,
+    block_k: int,
+    chunk: int,
+    capacity: int,
+    qk_scale: float,
+    final: bool,
+    precision,
 ):
-  """One program: sequence b, KV head h, chunk c (`attend_chunk`)."""
+  """One program: sequence b, KV head h, chunk c of `chunk` tokens."""
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  attend_chunk(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, b, h, c, **chunk_args)
-
-
-def attend_chunk(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, b, h, c, *,
-                 tile_index, group: int, head_dim: int, block_k: int, chunk: int, capacity: int,
-                 qk_scale: float, final: bool, precision):
-  """Sequence b, KV head h, chunk c of `chunk` tokens: its query heads' online softmax over
-  the chunk's keys, stored normalised with its log2-sum-exp (or, with `final`, the only
-  chunk's output and natural-log LSE). Refs as in `_split_kv_kernel`; `tile_index`
-  addresses a tile of the cache (contiguous or paged). Also the attention phase of
-  jaxflash/attention_block.py, which passes the indices of its work items.
-  """
   head_dim_p = configs.padded_head_dim(head_dim)
   rows = jnp.arange(DECODE_QUERY_ROWS)
   cols = jnp.arange(head_dim_p)

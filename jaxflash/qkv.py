@@ -42,7 +42,7 @@ from jax import lax
 
 from jaxflash import _checks
 from jaxflash import device as device_lib
-from jaxflash._triton import (CompilerParams, count_in, load, load_masked, mask2d, pl, quiet,
+from jaxflash._triton import (CompilerParams, atomic_add, block_barrier, load, load_masked, mask2d, pl, quiet,
                               store, use_interpret)
 from jaxflash.cache_write import cache_rows, check_cache_target
 from jaxflash.linear import MAX_ROWS, LinearConfig, column_block, k_chunks, skinny_matmul_partials
@@ -109,15 +109,12 @@ def _padded_half(head_dim: int) -> int:
 
 
 def _store_head(o_ref, head, halves, *, rows: int, head_dim: int):
-  """Stores a head's two halves into o_ref [M, heads*H] (or [M, heads, H])."""
+  """Stores a head's two halves into o_ref [M, heads*H]."""
   half, half_p = head_dim // 2, _padded_half(head_dim)
   mask = mask2d(jnp.arange(MAX_ROWS) < rows, None if half_p == half else jnp.arange(half_p) < half)
   for offset, value in zip((0, half), halves):
-    if o_ref.ndim == 3:
-      target = o_ref.at[pl.ds(0, MAX_ROWS), head, pl.ds(offset, half_p)]
-    else:
-      target = o_ref.at[pl.ds(0, MAX_ROWS), pl.ds(head * head_dim + offset, half_p)]
-    store(target, value.astype(o_ref.dtype), mask=mask)
+    store(o_ref.at[pl.ds(0, MAX_ROWS), pl.ds(head * head_dim + offset, half_p)], value.astype(o_ref.dtype),
+          mask=mask)
 
 
 def _store_head_in_cache(cache_ref, row, ok, head, halves, *, head_dim: int):
@@ -203,7 +200,14 @@ def _finish_kernel(*refs, heads: tuple[int, int, int], has_bias: bool, cache: st
 def _one_launch_kernel(*refs, widths: tuple[int, int, int], heads: tuple[int, int, int], block_n: int,
                        has_bias: bool, cache: str | None, capacity: int, page_size: int, splits: int,
                        rows: int, k_size: int, head_dim: int, eps: float, interpret: bool, product: dict):
-  """Program (j, s): `product_and_finish`'s item (j, s).
+  """Program (j, s): the product's column block j over K chunk s, as the skinny kernel's;
+  then the last of block j's chunk programs to finish finishes the heads of block j
+  (block_n is a multiple of head_dim, so a block holds whole heads).
+
+  No program waits for another: each stores its partial product, then counts itself in
+  (an atomic add, acquire-release at GPU scope, after a barrier so that all of the
+  program's stores come before it); the one that counts last sees every chunk's partials,
+  and sets the count back to zero when it is done.
 
   refs: x, norm scale, wq, wk, wv, cos, sin, (bq, bk, bv if has_bias), (positions,
   (block_table if paged), keys, values with a `cache`), the counters [>= blocks], zero
@@ -221,24 +225,7 @@ def _one_launch_kernel(*refs, widths: tuple[int, int, int], heads: tuple[int, in
   counter_ref = next(refs)
   finish = _head_finisher(cos_ref, sin_ref, part_refs, b_refs, list(refs), target, splits=splits,
                           rows=rows, head_dim=head_dim)
-  product_and_finish(x_ref, scale_ref, w_refs, part_refs, counter_ref, finish, pl.program_id(0),
-                     pl.program_id(1), widths=widths, heads=heads, block_n=block_n, splits=splits, rows=rows,
-                     k_size=k_size, head_dim=head_dim, eps=eps, interpret=interpret, product=product)
-
-
-def product_and_finish(x_ref, scale_ref, w_refs, part_refs, counter_ref, finish, j, s, *,
-                       widths: tuple[int, int, int], heads: tuple[int, int, int], block_n: int, splits: int,
-                       rows: int, k_size: int, head_dim: int, eps: float, interpret: bool, product: dict):
-  """The product's column block j over K chunk s, as the skinny kernel's; then the last of
-  block j's chunk programs to finish finishes the heads of block j (block_n is a multiple
-  of head_dim, so a block holds whole heads) with `finish` (`_head_finisher`).
-
-  No program waits for another: each stores its partial product, then counts itself in
-  (an atomic add on counter_ref[j], acquire-release at GPU scope, after a barrier so that
-  all of the program's stores come before it); the one that counts last sees every chunk's
-  partials, and sets the count back to zero when it is done. Also the q/k/v phase of
-  jaxflash/attention_block.py, which passes the indices of its work items.
-  """
+  j, s = pl.program_id(0), pl.program_id(1)
   heads_per_block = block_n // head_dim
   owners, first_block = [], 0
   for w_ref, part_ref, n_size in zip(w_refs, part_refs, widths):
@@ -248,7 +235,9 @@ def product_and_finish(x_ref, scale_ref, w_refs, part_refs, counter_ref, finish,
                                     block_n=block_n, scale_ref=scale_ref, **product))
     owners.append((mine, j - first_block))
     first_block += blocks
-  arrived = count_in(counter_ref, j, interpret=interpret)  # how many of block j's chunks were in before this one
+  if not interpret:  # interpreted, programs run one after another
+    block_barrier()
+  arrived = atomic_add(counter_ref, j, jnp.int32(1))  # how many of block j's chunks were in before this one
 
   def finish_block():
     r = _norm_factor_of_x(x_ref, rows=rows, k_size=k_size, eps=eps)

@@ -427,62 +427,17 @@ def test_decode_step_merges_attention_in_the_output_projection(model, cache_kind
 
   run = lambda: [qwen2.generate(model, p, NEW_TOKENS, cache=cache_kind, page_size=8)
                  for p in (prompts[:1], prompts)]
-  model.persistent_attention = False  # else batch 1 takes jaxflash.decode_attention_block
+  assert "jaxflash_split_kv_projection" in step_jaxpr(1)
+  batch_two = step_jaxpr(2)
+  assert "jaxflash_split_kv_projection" not in batch_two and "jaxflash_add_rms_norm" in batch_two
+  fused = run()
+  model.fused_residual_norm = False
   try:
-    assert "jaxflash_split_kv_projection" in step_jaxpr(1)
-    batch_two = step_jaxpr(2)
-    assert "jaxflash_split_kv_projection" not in batch_two and "jaxflash_add_rms_norm" in batch_two
-    fused = run()
-    model.fused_residual_norm = False
-    try:
-      assert "jaxflash_split_kv_projection" not in step_jaxpr(1)
-      apart = run()
-    finally:
-      model.fused_residual_norm = True
+    assert "jaxflash_split_kv_projection" not in step_jaxpr(1)
+    apart = run()
   finally:
-    model.persistent_attention = True
+    model.fused_residual_norm = True
   assert fused == apart
-
-
-@pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
-def test_decode_step_runs_the_attention_half_in_one_kernel(model, cache_kind):
-  """A batch-1 decode step on jaxflash's kernels runs each layer's attention half (norm,
-  q/k/v, cache write, attention, output projection, residual add, the MLP's norm) in
-  jaxflash.decode_attention_block, one launch; batch 2 keeps the separate kernels. The same
-  logits and tokens as with it off, and the compiled step still donates every output and
-  copies no cache (the kernel writes k and v in place)."""
-  sampler = qwen2.Sampler(model, cache=cache_kind, page_size=8)
-  eos = jnp.asarray([-1], jnp.int32)
-
-  def decode_state(batch):
-    cache = sampler.make_cache(batch, 32)
-    prompts = jnp.asarray([[5, 6, 7], [8, 9, 0]][:batch], jnp.int32)
-    return sampler.prefill(prompts, jnp.asarray([3, 2][:batch], jnp.int32), cache, jax.random.key(0), eos,
-                           SamplingParams())
-
-  step = lambda *args: sampler.steps.decode(*args, sampling=SamplingParams(), attention_impl=None)
-  one = str(jax.make_jaxpr(step)(sampler.params, *decode_state(1), eos))
-  assert "jaxflash_attention_block" in one
-  assert "jaxflash_qkv_projection" not in one and "jaxflash_split_kv_projection" not in one
-  assert "jaxflash_attention_block" not in str(jax.make_jaxpr(step)(sampler.params, *decode_state(2), eos))
-  ids = jnp.asarray([[3]], jnp.int32)
-  cache = qwen2.Sampler(model, cache=cache_kind, page_size=8).make_cache(1, 32)
-  _, cache = model(jnp.asarray([[5, 6, 7, 8]], jnp.int32), cache=cache)
-  on, _ = model(ids, cache=cache)
-  prompts = _prompts()[:1]
-  with_block = qwen2.generate(model, prompts, NEW_TOKENS, cache=cache_kind, page_size=8)
-  model.persistent_attention = False
-  try:
-    off, _ = model(ids, cache=cache)
-    assert qwen2.generate(model, prompts, NEW_TOKENS, cache=cache_kind, page_size=8) == with_block
-  finally:
-    model.persistent_attention = True
-  np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=2e-5, atol=2e-5)
-  state = decode_state(1)
-  compiled = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=SamplingParams(),
-                                        attention_impl=None).compile().as_text()
-  assert _donated_outputs(compiled) == len(jax.tree.leaves(state))
-  assert not _cache_sized_copies(compiled, state[2].layer(0).keys)
 
 
 def test_finished_sequences_return_their_pages(model):

@@ -29,13 +29,6 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x: jax.Array, rope, lengths, kv: LayerKV | None = None, *,
                attention_impl: str | None = None, projector: Projector = Projector()
                ) -> tuple[jax.Array, LayerKV | None]:
-    # A decode step's attention half in one persistent kernel, where it applies
-    # (models/qwen2/linear.py, ATTENTION_BLOCK_MAX_ROWS).
-    block = projector.attention_half(self.attention, self.pre_attention_norm, self.pre_mlp_norm, x, rope,
-                                     lengths, kv, attention_impl)
-    if block is not None:
-      x, normed, kv = block
-      return x + self.mlp(normed, projector=projector), kv
     # Fused, a batch-1 decode step's attention hands its chunks to the output projection
     # unmerged (models/qwen2/linear.py, SPLIT_KV_MAX_ROWS).
     split_kv = projector.takes_split_kv(self.attention.o_proj, x, self.pre_mlp_norm)

@@ -28,9 +28,6 @@ WIDE_CONFIG = jaxflash.LinearConfig(block_n=64, block_k=64)  # more column block
 # H200 (1.5B step -0.02 ms) and lost at batch 8 (+0.1 ms, against the merge kernel and the
 # skinny product): bench/NOTES.md.
 SPLIT_KV_MAX_ROWS = 1
-# jaxflash.decode_attention_block (the attention half of a layer in one persistent launch) is
-# taken for decode steps of at most this many sequences (bench/NOTES.md).
-ATTENTION_BLOCK_MAX_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +49,6 @@ class Projector:
   wide: bool = False  # with `skinny`: wide weights (the MLP's gate and up) through the kernel too
   residual_norm: bool = False  # with `skinny`: `add_norm`'s residual add and RMSNorm in one kernel
   one_launch_qkv: bool = True  # with `fused_qkv`: qkv_projection's one-launch form where it applies
-  attention_block: bool = False  # with the fused paths: a decode step's attention half in one kernel
 
   def __call__(self, layer: nnx.Linear, x: jax.Array, split: str) -> jax.Array:
     """layer(x); `split` ("column" or "row") names how a split model shards the weight."""
@@ -137,40 +133,6 @@ class Projector:
       partials = jaxflash.skinny_matmul(heads.astype(residual.dtype), weight, config=_config((weight,)),
                                         return_partials=True)
     return jaxflash.add_rms_norm(residual, partials, norm.scale[...], eps=norm.eps)
-
-  def attention_half(self, attention, norm, mlp_norm, x: jax.Array, rope, lengths, kv, attention_impl):
-    """(h, normed, kv) of a decode step's attention half in one launch of
-    `jaxflash.decode_attention_block`: h = x + o_proj(attention(norm(x))), normed =
-    mlp_norm(h), the new k and v written into kv's cache; None when this projector does not
-    take that path (then the layer runs its steps apart).
-
-    Taken with `attention_block` and every fused path it replaces (q/k/v, residual norm) on
-    one device, for one new token of at most ATTENTION_BLOCK_MAX_ROWS sequences on jaxflash's
-    kernels, with a cache written by kernels and one dtype throughout.
-    attention: models.qwen2.attention.Attention; norm, mlp_norm: the RMSNorms before it and
-    before the MLP; x [B, 1, hidden]; rope (cos, sin) [B, 1, head_dim/2]; lengths [B] new tokens.
-    """
-    layers = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-    batch = x.shape[0]
-    if not (self.attention_block and self.fused_qkv and self.residual_norm and self.skinny
-            and self.tensor_parallel is None and attention_impl is None and kv is not None and kv.write_kernel
-            and x.shape[1] == 1 and batch <= ATTENTION_BLOCK_MAX_ROWS and norm.eps == mlp_norm.eps
-            and _one_dtype(layers) and attention.o_proj.bias is None
-            and all(layer.bias is not None for layer in layers[:3])):
-      return None
-    dtype = _compute_dtype(layers, x)
-    if not (x.dtype == dtype == kv.keys.dtype == norm.dtype == mlp_norm.dtype):
-      return None
-    new_lengths = jnp.ones((batch,), jnp.int32) if lengths is None else lengths
-    cos, sin = rope
-    h, normed, keys, values, counters = jaxflash.decode_attention_block(
-        x[:, 0], norm.scale[...], tuple(layer.kernel[...].astype(dtype) for layer in layers[:3]),
-        tuple(layer.bias[...].astype(dtype) for layer in layers[:3]), cos[:, 0], sin[:, 0], kv.keys, kv.values,
-        kv.token_positions(new_lengths), kv.lengths + new_lengths, attention.o_proj.kernel[...].astype(dtype),
-        mlp_norm.scale[...], head_dim=attention.head_dim, eps=norm.eps, block_table=kv.block_table,
-        counters=kv.counters)
-    kv = dataclasses.replace(kv, keys=keys, values=values, counters=counters)
-    return h[:, None], normed[:, None], kv
 
   def _takes_skinny(self, layers, x) -> bool:
     def fits(kernel) -> bool:

@@ -50,10 +50,6 @@ class Qwen2ForCausalLM(nnx.Module):
   # and the RMSNorm before the MLP in one kernel after the product (jaxflash.add_rms_norm)
   # instead of XLA's two; False: apart.
   fused_residual_norm = True
-  # With the fused paths above on one device: a decode step's attention half (norm, q/k/v,
-  # cache write, attention, output projection, residual add and the MLP's norm) in one
-  # persistent kernel, jaxflash.decode_attention_block, instead of four; False: the four.
-  persistent_attention = True
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                param_dtype=jnp.float32):
@@ -103,7 +99,7 @@ class Qwen2ForCausalLM(nnx.Module):
       x = self.embedder(tokens)  # [B, T, hidden]
       rope = rope_frequencies(positions, self.config.head_dim, self.config.rope_theta)
     projector = Projector(self.skinny_decode, self.tensor_parallel, self.fused_qkv, self.skinny_wide,
-                          self.fused_residual_norm, self.one_launch_qkv, self.persistent_attention)
+                          self.fused_residual_norm, self.one_launch_qkv)
     write_kernel = self.cache_write_kernel and self.tensor_parallel is None
     layer_caches, counters = [], None
     for index, layer in enumerate(self.layers):
