@@ -125,8 +125,6 @@ def compile_named(fn, args, name: str):
   return jax.jit(wrapper).lower(*_arg_sets(args)[0]).compile()
 
 
-
-
 def profile_trace(run: Callable[[], None]) -> dict | None:
   """Runs `run` under jax.profiler.trace in a /tmp dir; returns the parsed trace (or None)."""
   trace_dir = tempfile.mkdtemp(prefix="jaxflash_trace_", dir="/tmp")
@@ -137,7 +135,6 @@ def profile_trace(run: Callable[[], None]) -> dict | None:
     return trace_events.load_trace(path) if path else None
   finally:
     shutil.rmtree(trace_dir, ignore_errors=True)
-
 
 
 def _temp_bytes(compiled) -> int | None:
