@@ -1,11 +1,12 @@
 """Decode attention: GB/s of KV cache read, jaxflash against cuDNN, XLA, textbook attention
 and JAX's Pallas decode / paged kernels.
 
-The article's method: one compiled function runs the attention of L "layers", each with its
-own cache, at least 512 MiB in all, so every call reads cold from DRAM (a 4 MB cache would
-otherwise sit in the 60 MB L2) and no launch gaps count; time per call = device time / L.
+The method of "Writing an Attention Kernel: FlashAttention and Decode in Triton": one
+compiled function runs the attention of L "layers", each with its own cache, at least 512 MiB
+in all, so every call reads cold from DRAM (a 4 MB cache would otherwise sit in the 60 MB L2)
+and no launch gaps count; time per call = device time / L.
 A compiled function holds at most MAX_SITES layers; past that it rotates between several
-sets of caches (bench.common.ArgSets), which keeps every read cold. Bytes = the K and V
+sets of caches (bench.timing.ArgSets), which keeps every read cold. Bytes = the K and V
 actually read: valid length x KV heads x head dim x 2 bytes x 2. The ceiling is an XLA
 reduction over 4 GiB measured in the same run.
 
@@ -13,25 +14,23 @@ Rows: batch 1 at 1K, 4K, 16K, 32K, 128K and batch 16 at 4K (12 query heads, 2 KV
 d = 128, bf16, lengths = capacity). Sweeps: Flash-Decoding's chunk count (B=1 at 1K,
 4K, 32K and 128K) and the paged kernel's tile and pipeline depth (B=1, 32K, pages of 16).
 
-  python bench/decode.py [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
-  python bench/decode.py --smoke                               # tiny CPU run, interpret mode
+  python -m bench.decode [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
+  python -m bench.decode --smoke                               # tiny CPU run, interpret mode
 """
 from __future__ import annotations
 
 import itertools
 import math
-import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench import common  # noqa: E402
-from bench.common import log  # noqa: E402
+from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.report import format_value, markdown_table, value_with_pct, write_results
+from bench.timing import ArgSets, MAX_ITERS, Timing, device_times_us, free_memory, has_gpu, try_call
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -101,7 +100,7 @@ def pallas_gqa(q, k, v, lengths):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     return decode_attention.gqa(q[:, 0], k, v, kv_seq_len=lengths, sm_scale=q.shape[-1] ** -0.5,
-                                interpret=not common.has_gpu())
+                                interpret=not has_gpu())
 
 
 def pallas_paged(q, k_pages, v_pages, lengths, table):
@@ -120,7 +119,7 @@ def pallas_paged(q, k_pages, v_pages, lengths, table):
     return paged_attention.paged_attention(
         q[:, 0] * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k_heads, v_heads, table, lengths,
         k_splits=k_splits,
-        pages_per_compute_block=per_block, interpret=not common.has_gpu())
+        pages_per_compute_block=per_block, interpret=not has_gpu())
 
 
 def over_layers(attention):
@@ -176,7 +175,7 @@ def to_pages(cache, table: np.ndarray, page: int):
 def reference_layer0(layer, lengths):
   """Layer 0's answer in float32 (full-precision matmuls) on the same bf16 inputs."""
   q, k, v = layer
-  with common.highest_precision():
+  with jax.default_matmul_precision("highest"):
     return jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
         key_value_seq_lengths=n, implementation="xla"))(q, k, v, lengths)
@@ -190,26 +189,26 @@ def max_error(timing, ref) -> float | None:
   return float(jnp.max(jnp.abs(outputs[0].reshape(ref.shape).astype(jnp.float32) - ref)))
 
 
-def time_group(name_to_attention: dict, layer_sets, shared, budget, row) -> dict:
+def time_group(name_to_attention: dict, layer_sets, shared, limit, row) -> dict:
   """Times each attention as one compiled call over a set of layers, rotating between the
-  sets, in one profiler session: {name: Timing (per call of all its layers) or error}."""
-  sets = common.ArgSets([(tuple(l[0] for l in ls), tuple(l[1] for l in ls), tuple(l[2] for l in ls),
-                          *shared) for ls in layer_sets])
+  sets, under one profiler trace: {name: Timing (per call of all its layers) or error}."""
+  sets = ArgSets([(tuple(l[0] for l in ls), tuple(l[1] for l in ls), tuple(l[2] for l in ls),
+                   *shared) for ls in layer_sets])
   cases = {}
   for name, attention in name_to_attention.items():
-    if budget.exhausted():
-      row["errors"][name] = "skipped: time budget"
+    if limit.exhausted():
+      row["errors"][name] = "skipped: time limit"
       continue
     cases[name] = (over_layers(attention), sets)
   # Each call already averages over its layers: a few calls suffice, and keep the trace small.
-  max_iters = max(3, min(common.MAX_ITERS, 512 // len(layer_sets[0])))
-  return common.device_times_us(cases, max_iters=max_iters, keep_output=True, log=log)
+  max_iters = max(3, min(MAX_ITERS, 512 // len(layer_sets[0])))
+  return device_times_us(cases, max_iters=max_iters, keep_output=True, log=log)
 
 
 def record(row, name: str, timing, sites: int, nbytes: int, ceiling_gbs, kernel_pattern=None):
   if isinstance(timing, dict):
     row["errors"][name] = timing["error"]
-  if not isinstance(timing, common.Timing):
+  if not isinstance(timing, Timing):
     row[f"{name}_gbs"] = None
     return None
   us = timing.us / sites
@@ -227,7 +226,7 @@ def record(row, name: str, timing, sites: int, nbytes: int, ceiling_gbs, kernel_
   return row[f"{name}_gbs"]
 
 
-def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict) -> tuple[dict, list, list]:
+def bench_row(batch: int, capacity: int, plan, ceiling_gbs, limit, sweeps: dict) -> tuple[dict, list, list]:
   sites, nsets = plan
   nbytes = cache_bytes(batch, capacity)
   row = {"batch": batch, "context": capacity, "layers": sites * nsets, "layers_per_call": sites,
@@ -244,7 +243,7 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
                 "naive": naive_decode, "pallas_gqa": pallas_gqa}
   for s in sweeps.get("splits", ()):
     contiguous[f"splits{s}"] = jaxflash_decode(num_splits=s)
-  timings = time_group(contiguous, layer_sets, (lengths,), budget, row)
+  timings = time_group(contiguous, layer_sets, (lengths,), limit, row)
   for name in contiguous:
     pattern = "mha_forward" if name == "pallas_gqa" else None
     gbs = record(row, name, timings.get(name), sites, nbytes, ceiling_gbs, pattern)
@@ -252,7 +251,7 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
       split_rows.append({"batch": batch, "context": capacity, "num_splits": int(name[6:]), "gbs": gbs,
                          "pct": row.get(f"{name}_pct"), "us": row.get(f"{name}_us"),
                          "error": row["errors"].get(name)})
-    elif isinstance(timings.get(name), common.Timing):
+    elif isinstance(timings.get(name), Timing):
       row["max_abs_error"][name] = max_error(timings[name], ref)
 
   # Paged pools built from the same caches through a random block table, one page size at a time.
@@ -271,7 +270,7 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
       for bk, warps, stages in sweeps.get("paged_configs", ()):
         configs[f"paged_bk{bk}_w{warps}_s{stages}"] = (bk, warps, stages)
         group[f"paged_bk{bk}_w{warps}_s{stages}"] = jaxflash_paged((bk, warps, stages))
-    timings = time_group(group, paged_sets, (lengths, table_j), budget, row)
+    timings = time_group(group, paged_sets, (lengths, table_j), limit, row)
     for name in group:
       pattern = "paged_attention" if name.startswith("pallas") else None
       gbs = record(row, name, timings.get(name), sites, nbytes, ceiling_gbs, pattern)
@@ -281,10 +280,10 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
                            "num_warps": warps, "num_stages": stages, "gbs": gbs,
                            "pct": row.get(f"{name}_pct"), "us": row.get(f"{name}_us"),
                            "error": row["errors"].get(name)})
-      elif isinstance(timings.get(name), common.Timing):
+      elif isinstance(timings.get(name), Timing):
         row["max_abs_error"][name] = max_error(timings[name], ref)
     del paged_sets, timings
-    common.free_memory()
+    free_memory()
 
   jf = row.get("jaxflash_gbs")
   for key, num, den in (("jf_over_cudnn", jf, row.get("cudnn_gbs")),
@@ -296,50 +295,30 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, budget, sweeps: dict
       row.pop(name)
   row["kernels"] = {k: v for k, v in row["kernels"].items() if not k.startswith(("splits", "paged_bk"))}
   del layers, layer_sets, ref
-  common.free_memory()
+  free_memory()
   return row, split_rows, stage_rows
 
 
 # ----------------------------------------------------------------------------- script
 
-def with_earlier(earlier: dict | None, rows: list, split_rows: list, stage_rows: list, notes: list,
-                 meta: dict):
-  """This run's rows and sweep rows plus those of the `earlier` saved run that it did not
-  measure (by batch and context; sweeps by context), each dated by its run. Returns
-  (rows, notes, split_rows, stage_rows)."""
-  if earlier is None:
-    return rows, notes, split_rows, stage_rows
-  by_shape = lambda r: (r["batch"], r["context"])
-  rows, note = common.merge_earlier_rows(earlier, rows, by_shape, meta)
-  rows = sorted(rows, key=lambda r: (r["batch"] != 1, r["batch"], r["context"]))
-  then = earlier.get("meta", {}).get("date")
-  dated = lambda sweep, date: [dict(r, run=r.get("run") or date) for r in sweep]
-  swept = {r["context"] for r in split_rows}
-  split_rows = dated([r for r in earlier.get("splits_sweep", []) if r["context"] not in swept], then) + \
-      dated(split_rows, meta.get("date"))
-  stage_rows = dated(stage_rows, meta.get("date")) or dated(earlier.get("paged_stages_sweep", []), then)
-  return rows, notes + ([note] if note else []), split_rows, stage_rows
-
-
 def write_sweeps(split_rows: list, stage_rows: list, meta: dict, ceiling, stage_context: int, out_dir):
   """The chunk-count and paged-stages sweeps as tables and plots of their own."""
   sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
-  run = ("run", "run (UTC)", lambda d: str(d)[:16])  # merged sweeps hold rows of several runs
   if split_rows:
     split_rows = sorted(split_rows, key=lambda r: (r["context"], r["num_splits"]))
-    common.write_results(
+    write_results(
         "decode_splits", split_rows, {**sub_meta, "title": "Flash-Decoding chunk count, jaxflash contiguous, B=1"},
         [("context", "context"), ("num_splits", "num_splits"), ("gbs", "GB/s"), ("pct", "% of HBM"),
-         ("us", "us / call"), ("error", "error", lambda e: e[:80]), run],
+         ("us", "us / call"), ("error", "error", lambda e: e[:80])],
         plot={"x": "num_splits", "y": "gbs", "series": "context", "logx": True, "xlabel": "num_splits",
               "ylabel": "GB/s", "title": "jaxflash decode: chunks per sequence, B=1",
               "hline": (ceiling, "HBM read ceiling")}, out_dir=out_dir)
   if stage_rows:
-    common.write_results(
+    write_results(
         "decode_paged_stages", stage_rows,
         {**sub_meta, "title": f"Paged decode tiles and pipeline stages, B=1, {stage_context} tokens, pages of 16"},
         [("block_k", "block_k"), ("num_warps", "warps"), ("num_stages", "stages"), ("gbs", "GB/s"),
-         ("pct", "% of HBM"), ("us", "us / call"), ("error", "error", lambda e: e[:80]), run],
+         ("pct", "% of HBM"), ("us", "us / call"), ("error", "error", lambda e: e[:80])],
         plot={"x": "num_stages", "y": "gbs", "series": "block_k", "xlabel": "num_stages", "ylabel": "GB/s",
               "labels": {bk: f"block_k {bk}" for bk in PAGED_SWEEP["block_k"]},
               "title": "jaxflash paged decode (page 16): stages", "hline": (ceiling, "HBM read ceiling")},
@@ -347,12 +326,10 @@ def write_sweeps(split_rows: list, stage_rows: list, meta: dict, ceiling, stage_
 
 
 def parse_args(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", budget_s=360.0,
-                             quick="fewer rows", sweep=True)
+  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", time_limit_s=360.0,
+                      quick="fewer rows", sweep=True)
   p.add_argument("--min-mib", type=float, default=512.0, help="caches per row, MiB (cold reads)")
   p.add_argument("--rows", default=None, help="comma-separated BxCONTEXT subset, e.g. 1x1024,1x4096")
-  p.add_argument("--merge", action="store_true",
-                 help="keep the rows (and sweep rows) of the saved decode.json that this run does not measure")
   p.add_argument("--max-sites", type=int, default=64,
                  help="layers per compiled call (more rotate between argument sets)")
   return p.parse_args(argv)
@@ -360,7 +337,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  budget = common.Budget(args.budget_s)
+  limit = TimeLimit(args.time_limit_s)
   if args.smoke:
     rows_spec = [(1, 512), (2, 256)]
     split_contexts, stage_context = (512,), 512
@@ -378,8 +355,7 @@ def main(argv=None):
     ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
   if args.rows:
     rows_spec = [tuple(int(n) for n in spec.split("x")) for spec in args.rows.split(",")]
-  meta, out_dir = common.begin_run("decode", args, **ceiling_args)
-  earlier = common.read_json(Path(out_dir) / "decode.json") if args.merge else None
+  meta, out_dir = begin_run("decode", args, **ceiling_args)
   ceiling = meta["ceilings"].get("hbm_read_gbs")
   meta.update(
       title="Decode attention: GB/s of K+V read on device time",
@@ -399,8 +375,8 @@ def main(argv=None):
 
   rows, split_rows, stage_rows, notes = [], [], [], []
   for batch, capacity in rows_spec:
-    if budget.exhausted():
-      notes.append(f"B={batch} context={capacity}: skipped (time budget)")
+    if limit.exhausted():
+      notes.append(f"B={batch} context={capacity}: skipped (time limit)")
       continue
     plan = layer_plan(batch, capacity, min_bytes, max_sites)
     sweeps = {}
@@ -408,9 +384,9 @@ def main(argv=None):
       sweeps["splits"] = splits
     if args.sweep and batch == 1 and capacity == stage_context:
       sweeps["paged_configs"] = paged_configs
-    log(f"[{budget.elapsed():6.1f}s] B={batch} context={capacity}: {plan[0]} layers x {plan[1]} sets, "
+    log(f"[{limit.elapsed():6.1f}s] B={batch} context={capacity}: {plan[0]} layers x {plan[1]} sets, "
         f"{plan[0] * plan[1] * cache_bytes(batch, capacity) / MIB:.0f} MiB")
-    got, err = common.try_call(bench_row, batch, capacity, plan, ceiling, budget, sweeps)
+    got, err = try_call(bench_row, batch, capacity, plan, ceiling, limit, sweeps)
     if err:
       notes.append(f"B={batch} context={capacity}: row failed: {err[:300]}")
       log(f"  row failed: {err}")
@@ -424,23 +400,20 @@ def main(argv=None):
     for name, e in row["max_abs_error"].items():
       if not isinstance(e, float) or e > 0.05:
         notes.append(f"B={batch} context={capacity} {LABELS.get(name, name)}: max abs error vs float32 = {e}")
-    log("  " + ", ".join(f"{name} {common.format_value(row.get(f'{name}_gbs'))}" for name in IMPLS))
-    m_rows, m_notes, m_splits, m_stages = with_earlier(earlier, rows, split_rows, stage_rows, notes, meta)
-    common.write_results("decode", m_rows, meta, main_columns(), out_dir=out_dir, notes=m_notes,
-                         extra={"splits_sweep": m_splits, "paged_stages_sweep": m_stages})
-
-  rows, notes, split_rows, stage_rows = with_earlier(earlier, rows, split_rows, stage_rows, notes, meta)
+    log("  " + ", ".join(f"{name} {format_value(row.get(f'{name}_gbs'))}" for name in IMPLS))
+    write_results("decode", rows, meta, main_columns(), out_dir=out_dir, notes=notes,
+                  extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
 
   plot = {"x": "context", "y": [f"{n}_gbs" for n in IMPLS], "logx": True,
           "labels": {f"{n}_gbs": LABELS[n] for n in IMPLS}, "where": lambda r: r["batch"] == 1,
           "xlabel": "context (batch 1)", "ylabel": "GB/s of K+V (device time)",
           "title": "Decode, 12 q heads / 2 kv heads, d=128, bf16", "hline": (ceiling, "HBM read ceiling")}
-  paths = common.write_results("decode", rows, meta, main_columns(), plot=plot, out_dir=out_dir, notes=notes,
-                               extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
+  paths = write_results("decode", rows, meta, main_columns(), plot=plot, out_dir=out_dir, notes=notes,
+                        extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
   write_sweeps(split_rows, stage_rows, meta, ceiling, stage_context, out_dir)
 
-  log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
-  log(f"HBM read ceiling {common.format_value(ceiling)} GB/s; timing: {meta['timing']}")
+  log(f"\n[{limit.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
+  log(f"HBM read ceiling {format_value(ceiling)} GB/s; timing: {meta['timing']}")
   if split_rows:
     for ctx in sorted({r["context"] for r in split_rows}):
       got = [r for r in split_rows if r["context"] == ctx and r.get("gbs")]
@@ -452,13 +425,13 @@ def main(argv=None):
     if got:
       best = max(got, key=lambda r: r["gbs"])
       log(f"paged stages sweep: best block_k {best['block_k']} stages {best['num_stages']}, {best['gbs']:.0f} GB/s")
-  log(common.markdown_table(rows, [("batch", "B"), ("context", "ctx")] + [
+  log(markdown_table(rows, [("batch", "B"), ("context", "ctx")] + [
       (f"{n}_gbs", n.replace("jaxflash", "jf").replace("pallas", "pl")) for n in IMPLS]))
 
 
 def main_columns():
   cols = [("batch", "B"), ("context", "context"), ("layers", "L")]
-  cols += [(lambda r, n=n: common.value_with_pct(r, f"{n}_gbs", f"{n}_pct"), LABELS[n]) for n in IMPLS]
+  cols += [(lambda r, n=n: value_with_pct(r, f"{n}_gbs", f"{n}_pct"), LABELS[n]) for n in IMPLS]
   cols += [("jf_over_cudnn", "jaxflash / cuDNN", "{:.2f}"),
            ("paged16_over_contiguous", "paged 16 / contiguous", "{:.3f}")]
   return cols

@@ -12,9 +12,9 @@ tokens/s = batch / the loop's ms/step, and the bytes floor of a step: (weights +
 at the mean context) / the HBM read ceiling measured in the same run. Wall clock on purpose:
 a user waits for the launch gaps too.
 
-  python bench/generate.py [--quick] [--budget-s S] [--out DIR]   # GPU: ~5 min on an H200
-  python bench/generate.py --smoke                                 # tiny config on the CPU
-  python bench/generate.py --quick --loop-sweep 1,2,4,8,16         # steps per dispatch only
+  python -m bench.generate [--quick] [--time-limit-s S] [--out DIR]   # GPU: ~5 min on an H200
+  python -m bench.generate --smoke                                     # tiny config on the CPU
+  python -m bench.generate --quick --loop-sweep 1,2,4,8,16             # steps per dispatch only
 """
 from __future__ import annotations
 
@@ -29,14 +29,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench import common  # noqa: E402
-from bench.common import log  # noqa: E402
+from bench.ceilings import hbm_read_ceiling_gbs
+from bench.cli import TimeLimit, bench_arguments, log, smoke_out_dir
+from bench.environment import env_metadata
+from bench.report import RESULTS_DIR, markdown_table, write_results
+from bench.timing import error_text, free_memory, has_gpu, profile_trace, try_call
+from bench.trace import gpu_kernel_events, summarize_kernels
 
 NEW_TOKENS = 128
 PREFILL_RUNS = 3  # the first compiles; the median of the other two is reported
@@ -124,7 +126,7 @@ def bench_jax(model, shape: Shape, impl: str, cache_kind: str, page_size: int = 
     token, done, cache, key = jax.block_until_ready(
         sampler.decode(token, done, cache, key, eos, greedy))
     step_ms.append((time.perf_counter() - start) * 1e3)
-  profiled = min(PROFILED_STEPS, max(0, steps - synced - 1)) if common.has_gpu() else 0
+  profiled = min(PROFILED_STEPS, max(0, steps - synced - 1)) if has_gpu() else 0
   start = time.perf_counter()
   rest = range(synced + 1, steps + 1 - profiled)
   for _ in rest:
@@ -143,12 +145,12 @@ def bench_jax(model, shape: Shape, impl: str, cache_kind: str, page_size: int = 
         state[:] = sampler.decode(*state, eos, greedy)
       jax.block_until_ready(state[0])
 
-    trace = common._profile(run_profiled)
+    trace = profile_trace(run_profiled)
     token, done, cache, key = state
     state.clear()
-    events = common.gpu_kernel_events(trace) if trace else []
+    events = gpu_kernel_events(trace) if trace else []
     if events:
-      us, _, kernels_per_step = common.summarize_kernels(events, profiled)
+      us, _, kernels_per_step = summarize_kernels(events, profiled)
       step_device_ms = us / 1e3
   lengths_now = np.asarray(cache.lengths)
   assert (lengths_now == shape.prompt + steps).all(), lengths_now
@@ -197,7 +199,7 @@ def loop_sweep(model, shapes, cases, counts, budget) -> list[dict]:
                          first_call_s=first_call_s, same_tokens=first.tokens == reference,
                          case=f"B={shape.batch} prompt {shape.prompt} {label}"))
         log(f"[{budget.elapsed():6.1f}s] {rows[-1]['case']} x{count}: {min(times):.3f} ms/step")
-        common.free_memory()
+        free_memory()
   return rows
 
 
@@ -286,53 +288,52 @@ def shape_key(shape: Shape) -> str:
 def hf_worker(args) -> None:
   """`--hf-worker FILE`: the Hugging Face rows, written to FILE as JSON (a separate process)."""
   config, shapes, dtype = plan(args)
-  budget = common.Budget(args.budget_s)
+  budget = TimeLimit(args.time_limit_s)
   result: dict = {"rows": {}, "note": None}
   device = torch_device(args.smoke)
   if device is None:
     result["note"] = "Hugging Face row skipped: torch with CUDA is not importable"
   else:
     log(f"transformers on {device}")
-    model, err = common.try_call(hf_model, config, device, dtype)
+    model, err = try_call(hf_model, config, device, dtype)
     if model is None:
       result["note"] = f"Hugging Face model failed: {err}"
     for shape in shapes if model is not None else []:
       if budget.exhausted():
         result["rows"][shape_key(shape)] = {"error": "skipped (time budget)"}
         continue
-      got, err = common.try_call(bench_hf, model, shape, device)
+      got, err = try_call(bench_hf, model, shape, device)
       result["rows"][shape_key(shape)] = got or {"error": err}
       log(f"  HF B={shape.batch} prompt={shape.prompt}: {got or err}")
   Path(args.hf_worker).write_text(json.dumps(result))
 
 
-def run_hf_worker(args, budget: common.Budget) -> tuple[dict, str | None]:
+def run_hf_worker(args, budget: TimeLimit) -> tuple[dict, str | None]:
   """Runs this script with --hf-worker in a subprocess; -> ({shape key: row}, note)."""
   if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
     return {}, "Hugging Face row skipped: torch or transformers is not installed"
-  seconds = max(30.0, min(HF_BUDGET_S, args.budget_s - budget.elapsed()))
+  seconds = max(30.0, min(HF_BUDGET_S, args.time_limit_s - budget.elapsed()))
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp) / "hf.json"
-    command = [sys.executable, __file__, "--hf-worker", str(out), "--budget-s", str(seconds)]
+    command = [sys.executable, "-m", "bench.generate", "--hf-worker", str(out),
+               "--time-limit-s", str(seconds)]
     command += ["--smoke"] if args.smoke else (["--quick"] if args.quick else [])
     log(f"[{budget.elapsed():6.1f}s] Hugging Face transformers (subprocess, {seconds:.0f} s budget)")
     try:
       subprocess.run(command, check=True, timeout=seconds + 180)
       result = json.loads(out.read_text())
     except (subprocess.SubprocessError, OSError, ValueError) as e:
-      return {}, f"Hugging Face worker failed: {common.error_text(e)}"
+      return {}, f"Hugging Face worker failed: {error_text(e)}"
   return result["rows"], result["note"]
 
 
 def parse_args(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny config on the CPU, end to end", budget_s=330.0,
-                             budget_help="no case starts after this many seconds",
-                             quick="batch 1 and 8 at 1K only")
+  p = bench_arguments(__doc__, smoke="tiny config on the CPU, end to end", time_limit_s=330.0,
+                      time_limit_help="no case starts after this many seconds",
+                      quick="batch 1 and 8 at 1K only")
   p.add_argument("--impls", default=",".join(label for label, *_ in IMPLS) + ",hf",
                  help="comma-separated subset of: " + ", ".join(l for l, *_ in IMPLS) + ", hf")
   p.add_argument("--shapes", default=None, help="comma-separated BxPROMPT subset, e.g. 1x8192,8x8192")
-  p.add_argument("--merge", action="store_true",
-                 help="keep the rows of an earlier run's generate.json that this run does not measure")
   p.add_argument("--loop-sweep", default=None, metavar="COUNTS",
                  help="only sweep the generate loop's decode steps per dispatch, e.g. 1,2,4,8,16 "
                       "(writes generate_loop_sweep.*)")
@@ -340,32 +341,18 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def merge_earlier(path: Path, rows: list, notes: list, meta: dict):
-  """Adds the rows of the run saved at `path` that this run did not measure (same B, prompt
-  and attention), each marked with that run's date; notes say which rows came from where."""
-  merged, note = common.merge_earlier_rows(
-      common.read_json(path), rows, lambda r: (r["batch"], r["prompt"], r["impl"]), meta,
-      what=lambda kept: f"{len(kept)} rows ({', '.join(sorted({r['impl'] for r in kept}))})")
-  for row in merged:  # Hugging Face rows from before the loop column: their step is their loop's
-    if row["impl"].startswith("HF") and row.get("decode_ms_step") and not row.get("loop_ms_step"):
-      row["loop_ms_step"] = row["decode_ms_step"]
-  rank = {label: i for i, (label, *_) in enumerate(IMPLS)}
-  merged = sorted(merged, key=lambda r: (r["prompt"], r["batch"], rank.get(r["impl"], len(rank))))
-  return merged, notes + ([note] if note else [])
-
-
 def main(argv=None):
   args = parse_args(argv)
   if args.hf_worker:
     return hf_worker(args)
-  budget = common.Budget(args.budget_s)
+  budget = TimeLimit(args.time_limit_s)
   from models import qwen2
   from models.qwen2.sampler import STEPS_PER_CALL
 
   wanted = {s.strip() for s in args.impls.split(",") if s.strip()}
   config, shapes, dtype = plan(args)
   hbm_gib = 1 / 64 if args.smoke else 4.0
-  out_dir = common.smoke_out_dir("generate") if args.smoke else (args.out or common.DEFAULT_OUT)
+  out_dir = smoke_out_dir("generate") if args.smoke else (args.out or RESULTS_DIR)
   rows, notes = [], []
 
   # Hugging Face first, in a process of its own: torch and JAX never share CUDA libraries
@@ -376,9 +363,9 @@ def main(argv=None):
     if note:
       notes.append(note)
 
-  meta = common.env_metadata()
+  meta = env_metadata()
   log(f"generate benchmark on {meta['device']} ({meta['backend']}), jax {meta['versions'].get('jax')}")
-  ceiling, err = common.try_call(common.hbm_read_ceiling_gbs, hbm_gib)
+  ceiling, err = try_call(hbm_read_ceiling_gbs, hbm_gib)
   meta["ceilings"] = {"hbm_read_gbs": ceiling, "hbm_read_bytes": hbm_gib * 2**30} if ceiling else {
       "hbm_read_error": err}
   log(f"HBM read ceiling: {ceiling} GB/s")
@@ -396,15 +383,15 @@ def main(argv=None):
     base = dict(batch=shape.batch, prompt=shape.prompt, new_tokens=shape.new_tokens,
                 weights_gb=weights / 1e9, kv_read_gb=kv / 1e9, floor_ms=floor_ms)
     cases = [(label, impl, cache) for label, impl, cache in IMPLS if label in wanted]
-    if not common.has_gpu():
+    if not has_gpu():
       cases = [c for c in cases if c[1] != "cudnn"]
     for label, impl, cache in cases:
       if budget.exhausted():
         notes.append(f"{label} B={shape.batch} prompt={shape.prompt}: skipped (time budget)")
         continue
       log(f"[{budget.elapsed():6.1f}s] {label} B={shape.batch} prompt={shape.prompt}")
-      got, err = common.try_call(bench_jax, model, shape, impl, cache)
-      common.free_memory()
+      got, err = try_call(bench_jax, model, shape, impl, cache)
+      free_memory()
       rows.append({**base, "impl": label, "cache": cache, **(got or {"error": err})})
       log(f"  {got or err}")
     if hf_rows.get(shape_key(shape)):
@@ -439,8 +426,6 @@ def main(argv=None):
   plot = dict(kind="bar", x="case", y="loop_ms_step", logy=True,
               ylabel="generate loop ms/step (wall; log scale)",
               title="Qwen2.5-1.5B shapes, bf16, one H200: decode step time")
-  if args.merge:
-    rows, notes = merge_earlier(Path(out_dir) / "generate.json", rows, notes, meta)
   for row in rows:
     if row.get("floor_ms") and row.get("decode_ms_step"):
       row["floor_pct"] = 100 * row["floor_ms"] / row["decode_ms_step"]
@@ -449,8 +434,8 @@ def main(argv=None):
     if row.get("floor_ms") and row.get("loop_ms_step"):
       row["loop_over_floor"] = row["loop_ms_step"] / row["floor_ms"]
     row["case"] = f"B={row['batch']} prompt {row['prompt']} {row['impl']}"
-  paths = common.write_results("generate", rows, meta, columns, plot=plot, out_dir=out_dir, notes=notes)
-  log(common.markdown_table(rows, columns))
+  paths = write_results("generate", rows, meta, columns, plot=plot, out_dir=out_dir, notes=notes)
+  log(markdown_table(rows, columns))
   log(f"wrote {', '.join(str(p) for p in paths.values())} in {budget.elapsed():.0f} s")
   return rows
 
@@ -474,9 +459,9 @@ def write_loop_sweep(args, model, shapes, wanted, meta, budget, out_dir) -> list
   plot = dict(x="steps_per_call", y="loop_ms_step", series="case", logx=True,
               xlabel="decode steps per dispatch", ylabel="generate loop ms/step (wall)",
               title="Qwen2.5-1.5B shapes, bf16, one H200: generate loop vs steps per dispatch")
-  paths = common.write_results("generate_loop_sweep", rows, meta, columns, plot=plot,
-                               out_dir=out_dir)
-  log(common.markdown_table(rows, columns))
+  paths = write_results("generate_loop_sweep", rows, meta, columns, plot=plot,
+                        out_dir=out_dir)
+  log(markdown_table(rows, columns))
   log(f"wrote {', '.join(str(p) for p in paths.values())} in {budget.elapsed():.0f} s")
   return rows
 

@@ -10,12 +10,12 @@ the median of single blocked steps beside it, tokens/s = batch / pipelined step,
 speed-up of 2 GPUs over 1 for the same case. The weights are drawn on the devices already
 split (`random_model(..., mesh=)`): the 15 GB model is never whole on the host.
 
-The budget (--budget-s) starts once the models are drawn: cases run in priority order and
+The time limit (--time-limit-s) starts once the models are drawn: cases run in priority order and
 none starts after it, compiles included; skipped cases are listed in the results. With one
 GPU only, the 2-GPU rows are skipped (and say why).
 
-  python bench/generate_tp.py [--budget-s S] [--batches 1,8] [--caches paged,contiguous]
-  python bench/generate_tp.py --smoke   # tiny config, CPU, 2 forced host devices
+  python -m bench.generate_tp [--time-limit-s S] [--batches 1,8] [--caches paged,contiguous]
+  python -m bench.generate_tp --smoke   # tiny config, CPU, 2 forced host devices
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import dataclasses
 import os
 import sys
 import time
-from pathlib import Path
 
 # NVLink multicast (NVLS) stays off, as the lent multi-GPU machines require (it can take a
 # shared host's GPUs out of service); NCCL would otherwise try it for the all-reduces.
@@ -34,15 +33,15 @@ if "--smoke" in sys.argv:  # 2 host devices must be asked for before JAX starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=2").strip()
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from bench import common  # noqa: E402
-from bench.common import log  # noqa: E402
-from bench.generate import Shape, bench_jax  # noqa: E402
+from bench.cli import TimeLimit, bench_arguments, log, smoke_out_dir
+from bench.environment import env_metadata
+from bench.generate import Shape, bench_jax
+from bench.report import RESULTS_DIR, markdown_table, write_results
+from bench.timing import free_memory, has_gpu, try_call
 
 PROMPT = 1024
 NEW_TOKENS = 64
@@ -84,8 +83,8 @@ def plan(args):
 
 
 def parse_args(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny config on 2 CPU host devices", budget_s=105.0,
-                             budget_help="no case starts after this many seconds (the script must end by 150 s)")
+  p = bench_arguments(__doc__, smoke="tiny config on 2 CPU host devices", time_limit_s=105.0,
+                      time_limit_help="no case starts after this many seconds (the script must end by 150 s)")
   p.add_argument("--batches", default="1,8")
   p.add_argument("--caches", default="paged,contiguous")
   return p.parse_args(argv)
@@ -94,9 +93,9 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   config, dtype, cases = plan(args)
-  out_dir = common.smoke_out_dir("generate_tp") if args.smoke else (args.out or common.DEFAULT_OUT)
+  out_dir = smoke_out_dir("generate_tp") if args.smoke else (args.out or RESULTS_DIR)
   devices = jax.devices()
-  meta = common.env_metadata()
+  meta = env_metadata()
   log(f"generate_tp on {len(devices)} x {meta['device']} ({meta['backend']}), "
       f"jax {meta['versions'].get('jax')}")
   notes: list[str] = []
@@ -104,16 +103,16 @@ def main(argv=None):
   for tp in TP_DEGREES:
     if tp > len(devices):
       notes.append(f"{tp}-device rows skipped: only {len(devices)} device(s) present")
-  if not args.smoke and not common.has_gpu():
+  if not args.smoke and not has_gpu():
     notes.append("not a GPU run: the numbers are not comparable to the H200 ones")
 
   rows: list[dict] = []
   models = {}
-  budget = common.Budget(args.budget_s)
+  budget = TimeLimit(args.time_limit_s)
   try:
     for tp in degrees:
       start = time.perf_counter()
-      model, err = common.try_call(make_model, config, dtype, tp, devices)
+      model, err = try_call(make_model, config, dtype, tp, devices)
       if model is None:
         notes.append(f"{tp}-device model failed: {err}")
         continue
@@ -123,7 +122,7 @@ def main(argv=None):
           f"drawn in {time.perf_counter() - start:.1f} s")
 
     # The budget bounds the cases, not the drawing of the models (~80 s for 7B on an H200).
-    budget = common.Budget(args.budget_s)
+    budget = TimeLimit(args.time_limit_s)
 
     for cache, shape in cases:
       for tp in degrees:
@@ -134,8 +133,8 @@ def main(argv=None):
           notes.append(f"{label}: skipped (time budget)")
           continue
         log(f"[{budget.elapsed():6.1f}s] {label}")
-        got, err = common.try_call(bench_jax, models[tp], shape, None, cache)
-        common.free_memory()
+        got, err = try_call(bench_jax, models[tp], shape, None, cache)
+        free_memory()
         row = dict(cache=cache, batch=shape.batch, prompt=shape.prompt, new_tokens=shape.new_tokens,
                    devices=tp, weights_gb_device=weights_gb_per_device(models[tp]))
         if got:
@@ -189,9 +188,9 @@ def _finish(rows, notes, meta, config, dtype, args, out_dir, budget):
   plot = dict(kind="bar", x="case", y="decode_ms_step",
               ylabel="decode ms/step (pipelined wall clock)",
               title=f"{name}, prompt {rows[0]['prompt'] if rows else PROMPT}: 1 vs 2 devices")
-  paths = common.write_results("generate_tp", rows, meta, columns, plot=plot, out_dir=out_dir,
-                               notes=notes)
-  log(common.markdown_table(rows, columns))
+  paths = write_results("generate_tp", rows, meta, columns, plot=plot, out_dir=out_dir,
+                        notes=notes)
+  log(markdown_table(rows, columns))
   for note in notes:
     log(f"note: {note}")
   log(f"wrote {', '.join(str(p) for p in paths.values())} in {budget.elapsed():.0f} s")

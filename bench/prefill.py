@@ -1,33 +1,32 @@
 """Causal prefill: jaxflash against cuDNN, XLA, textbook attention and JAX's Pallas `mha`.
 
-The article's shapes (Qwen2.5-1.5B attention): 12 query heads, 2 KV heads, head dim 128,
-bf16, causal; batch 1 at n = 512 ... 32768 and batch 4 at 4096. Every implementation of a
-row runs in one process and one profiler session, and is timed on device time (the sum of
-the GPU kernels one call launches, bench/common.py). TFLOP/s count FLOPs as the
-FlashAttention-2 paper does: 4 n^2 d per head, halved for causal. The ceiling is a bf16
-8192^3 matmul measured in the same run.
+The shapes of "Writing an Attention Kernel: FlashAttention and Decode in Triton" (Qwen2.5-1.5B
+attention): 12 query heads, 2 KV heads, head dim 128, bf16, causal; batch 1 at n = 512 ...
+32768 and batch 4 at 4096. Every implementation of a row runs in one process under one
+profiler trace, and is timed on device time (the sum of the GPU kernels one call launches,
+bench/timing.py). TFLOP/s count FLOPs as "FlashAttention-2: Faster Attention with Better
+Parallelism and Work Partitioning" does: 4 n^2 d per head, halved for causal. The ceiling is
+a bf16 8192^3 matmul measured in the same run.
 
 Also: the peak scratch memory of each implementation, the max abs error against a float32
-XLA reference at one size, and the article's tuning sweep at n = 8192 (block_q x block_k x
-warps x stages).
+XLA reference at one size, and a tuning sweep of the kernel at n = 8192 (block_q x block_k
+x warps x stages).
 
-  python bench/prefill.py [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
-  python bench/prefill.py --smoke                               # tiny CPU run, interpret mode
+  python -m bench.prefill [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
+  python -m bench.prefill --smoke                               # tiny CPU run, interpret mode
 """
 from __future__ import annotations
 
 import itertools
-import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from bench import common  # noqa: E402
-from bench.common import log  # noqa: E402
+from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.report import format_value, markdown_table, value_with_pct, write_results
+from bench.timing import Timing, device_times_us, free_memory, has_gpu, try_call
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -35,7 +34,8 @@ IMPLS = ("jaxflash", "cudnn", "pallas_mha", "xla", "naive")
 LABELS = {"jaxflash": "jaxflash", "cudnn": "cuDNN (jax.nn)", "pallas_mha": "JAX Pallas mha",
           "xla": "jax.nn xla", "naive": "naive einsum"}
 # Textbook attention holds the n x n scores several times (bf16 scores, fp32 softmax): at
-# 32768 tokens that is ~12 x 32768^2 x 10 bytes = 129 GB, past the card (the article: OOM).
+# 32768 tokens that is ~12 x 32768^2 x 10 bytes = 129 GB, past the card (the seed article's
+# laptop ran out of memory at 16384).
 MAX_N_MATERIALIZED = 16384
 
 
@@ -60,8 +60,8 @@ def xla_fn(q, k, v, mask):
 
 
 def naive_fn(q, k, v, mask):
-  """Hugging Face eager attention, step for step (the article's textbook baseline): repeat
-  K/V to every query head, bf16 scores, add the shared causal mask, fp32 softmax, cast."""
+  """Hugging Face eager attention, step for step (the seed article's textbook baseline):
+  repeat K/V to every query head, bf16 scores, add the shared causal mask, fp32 softmax, cast."""
   group = q.shape[2] // k.shape[2]
   k = jnp.repeat(k, group, axis=2)  # [B, S, N, H]
   v = jnp.repeat(v, group, axis=2)
@@ -89,7 +89,7 @@ def pallas_mha_fn(q, k, v, mask):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     return mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True,
-               interpret=not common.has_gpu())
+               interpret=not has_gpu())
 
 
 CONTENDERS = {"jaxflash": jaxflash_fn(), "cudnn": cudnn_fn, "pallas_mha": pallas_mha_fn,
@@ -119,8 +119,8 @@ def causal_flops(batch: int, n: int) -> float:
 
 # ----------------------------------------------------------------------------- measurements
 
-def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget, check: bool = False) -> dict:
-  """One (batch, n): every contender timed in one profiler session. With `check`, also each
+def bench_row(batch: int, n: int, ceiling_tflops: float | None, limit, check: bool = False) -> dict:
+  """One (batch, n): every contender timed under one profiler trace. With `check`, also each
   one's max abs error against float32 attention (row["max_abs_error"])."""
   row = {"batch": batch, "n": n, "gflop": causal_flops(batch, n) / 1e9, "errors": {}, "kernels": {}}
   q, k, v = make_inputs(batch, n)
@@ -130,22 +130,22 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget, check: b
     if impl in ("xla", "naive") and n > MAX_N_MATERIALIZED:
       row["errors"][impl] = f"skipped: n > {MAX_N_MATERIALIZED} (the n x n scores do not fit)"
       continue
-    if budget.exhausted():
-      row["errors"][impl] = "skipped: time budget"
+    if limit.exhausted():
+      row["errors"][impl] = "skipped: time limit"
       continue
     cases[impl] = (CONTENDERS[impl], (q, k, v, mask))
-  timings = common.device_times_us(cases, keep_output=check, log=log)
+  timings = device_times_us(cases, keep_output=check, log=log)
   if check:
-    ref, err = common.try_call(reference_f32, q, k, v)
+    ref, err = try_call(reference_f32, q, k, v)
     row["max_abs_error"] = {impl: err if err else float(jnp.max(jnp.abs(
-        t.output.astype(jnp.float32) - ref))) for impl, t in timings.items() if isinstance(t, common.Timing)}
+        t.output.astype(jnp.float32) - ref))) for impl, t in timings.items() if isinstance(t, Timing)}
     del ref
   flops = causal_flops(batch, n)
   for impl in IMPLS:
     t = timings.get(impl)
     if isinstance(t, dict):
       row["errors"][impl] = t["error"]
-    if not isinstance(t, common.Timing):
+    if not isinstance(t, Timing):
       row[f"{impl}_tflops"] = None
       continue
     row[f"{impl}_us"] = t.us
@@ -156,7 +156,7 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget, check: b
     t.output = None
     row["method"] = t.method
   mha = timings.get("pallas_mha")
-  if isinstance(mha, common.Timing) and mha.kernels:
+  if isinstance(mha, Timing) and mha.kernels:
     kernel_us = mha.kernel_us("mha_forward")
     row["pallas_mha_kernel_tflops"] = flops / (kernel_us * 1e-6) / 1e12 if kernel_us else None
   jf = row.get("jaxflash_tflops")
@@ -164,23 +164,23 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, budget, check: b
     theirs = row.get(f"{other}_tflops")
     row[key] = jf / theirs if jf and theirs else None
   del q, k, v, mask
-  common.free_memory()
+  free_memory()
   return row
 
 
 def reference_f32(q, k, v):
   """Causal attention in float32 with full-precision matmuls, on the same bf16 inputs."""
-  with common.highest_precision():
+  with jax.default_matmul_precision("highest"):
     return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), is_causal=True,
         implementation="xla"))(q, k, v)
 
 
-def sweep(n: int, ceiling_tflops: float | None, budget, grid: dict) -> list[dict]:
-  """The article's tuning sweep: every (block_q, block_k, num_warps, num_stages) at n tokens,
+def sweep(n: int, ceiling_tflops: float | None, limit, grid: dict) -> list[dict]:
+  """The tuning sweep: every (block_q, block_k, num_warps, num_stages) at n tokens,
   batch 1; a config that fails to compile (or is refused for shared memory) is recorded."""
   from jaxflash.configs import PrefillConfig, prefill_config
-  default = common.try_call(prefill_config, HEAD_DIM, DTYPE)[0]
+  default = try_call(prefill_config, HEAD_DIM, DTYPE)[0]
   q, k, v = make_inputs(1, n)
   mask = jnp.zeros((1, 1), DTYPE)
   rows, cases = [], {}
@@ -191,31 +191,31 @@ def sweep(n: int, ceiling_tflops: float | None, budget, grid: dict) -> list[dict
            "smem_kib": config.smem_bytes(HEAD_DIM, 2) / 1024, "default": config == default,
            "config": f"{bq}x{bk} w{warps} s{stages}"}
     rows.append(row)
-    if budget.exhausted():
-      row["error"] = "skipped: time budget"
+    if limit.exhausted():
+      row["error"] = "skipped: time limit"
       continue
     cases[row["config"]] = (jaxflash_fn(config), (q, k, v, mask))
-  # One profiler session per group of configs: a crash or the time budget loses little.
+  # One profiler trace per group of configs: a crash or the time limit loses little.
   flops = causal_flops(1, n)
   names = list(cases)
   for start in range(0, len(names), 12):
     group = {name: cases[name] for name in names[start:start + 12]}
-    if budget.exhausted():
+    if limit.exhausted():
       for row in rows:
         if row["config"] in group:
-          row["error"] = "skipped: time budget"
+          row["error"] = "skipped: time limit"
       continue
     log(f"  sweep configs {start + 1}-{start + len(group)} of {len(names)}")
-    timings = common.device_times_us(group, log=log)
+    timings = device_times_us(group, log=log)
     for row in rows:
       t = timings.get(row["config"])
       if isinstance(t, dict):
         row["error"] = t["error"]
-      elif isinstance(t, common.Timing):
+      elif isinstance(t, Timing):
         row.update(us=t.us, tflops=flops / (t.us * 1e-6) / 1e12)
         row["pct"] = 100 * row["tflops"] / ceiling_tflops if ceiling_tflops else None
   del q, k, v
-  common.free_memory()
+  free_memory()
   return rows
 
 
@@ -223,7 +223,7 @@ def sweep(n: int, ceiling_tflops: float | None, budget, grid: dict) -> list[dict
 
 def main_columns():
   cols = [("batch", "B"), ("n", "n")]
-  cols += [(lambda r, i=impl: common.value_with_pct(r, f"{i}_tflops", f"{i}_pct"), LABELS[impl])
+  cols += [(lambda r, i=impl: value_with_pct(r, f"{i}_tflops", f"{i}_pct"), LABELS[impl])
            for impl in IMPLS]
   cols += [("pallas_mha_kernel_tflops", "Pallas mha kernel only"),
            ("jf_over_cudnn", "jaxflash / cuDNN", "{:.2f}"), ("jf_over_mha", "jaxflash / Pallas mha", "{:.2f}")]
@@ -231,14 +231,14 @@ def main_columns():
 
 
 def parse_args(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", budget_s=360.0,
-                             quick="fewer sizes", sweep=True)
+  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", time_limit_s=360.0,
+                      quick="fewer sizes", sweep=True)
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  budget = common.Budget(args.budget_s)
+  limit = TimeLimit(args.time_limit_s)
   if args.smoke:
     sizes, acc_n, sweep_n = [(1, 128), (1, 256), (2, 128)], 128, 256
     grid = {"block_q": [64], "block_k": [32, 64], "num_warps": [4], "num_stages": [2]}
@@ -249,7 +249,7 @@ def main(argv=None):
     acc_n, sweep_n = 4096, 8192
     grid = {"block_q": [64, 128], "block_k": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
     ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
-  meta, out_dir = common.begin_run("prefill", args, **ceiling_args)
+  meta, out_dir = begin_run("prefill", args, **ceiling_args)
   ceiling = meta["ceilings"].get("matmul_tflops")
   meta.update(
       title="Causal prefill: TFLOP/s on device time",
@@ -266,11 +266,11 @@ def main(argv=None):
 
   rows, notes = [], []
   for batch, n in sizes:
-    if budget.exhausted():
-      notes.append(f"B={batch} n={n}: skipped (time budget)")
+    if limit.exhausted():
+      notes.append(f"B={batch} n={n}: skipped (time limit)")
       continue
-    log(f"[{budget.elapsed():6.1f}s] B={batch} n={n}")
-    row, err = common.try_call(bench_row, batch, n, ceiling, budget, check=(batch, n) == (1, acc_n))
+    log(f"[{limit.elapsed():6.1f}s] B={batch} n={n}")
+    row, err = try_call(bench_row, batch, n, ceiling, limit, check=(batch, n) == (1, acc_n))
     if err:
       notes.append(f"B={batch} n={n}: row failed: {err[:300]}")
       log(f"  row failed: {err}")
@@ -282,25 +282,25 @@ def main(argv=None):
       log(f"  max abs error vs float32: {row['max_abs_error']}")
     for impl, err in row["errors"].items():
       notes.append(f"B={batch} n={n} {LABELS[impl]}: {err[:300]}")
-    log("  " + ", ".join(f"{impl} {common.format_value(row.get(f'{impl}_tflops'))}" for impl in IMPLS))
-    common.write_results("prefill", rows, meta, main_columns(), out_dir=out_dir, notes=notes)
+    log("  " + ", ".join(f"{impl} {format_value(row.get(f'{impl}_tflops'))}" for impl in IMPLS))
+    write_results("prefill", rows, meta, main_columns(), out_dir=out_dir, notes=notes)
 
   memory_rows = [{"batch": r["batch"], "n": r["n"],
                   **{impl: r.get(f"{impl}_temp_mib") for impl in IMPLS}} for r in rows]
   sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
-  common.write_results(
+  write_results(
       "prefill_memory", memory_rows, {**sub_meta, "title": "Causal prefill: peak XLA scratch memory (MiB)"},
       [("batch", "B"), ("n", "n"), *[(impl, LABELS[impl]) for impl in IMPLS]], out_dir=out_dir,
       notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
 
   sweep_rows = []
   if args.sweep:
-    log(f"[{budget.elapsed():6.1f}s] tuning sweep at n={sweep_n}")
-    sweep_rows, err = common.try_call(sweep, sweep_n, ceiling, budget, grid)
+    log(f"[{limit.elapsed():6.1f}s] tuning sweep at n={sweep_n}")
+    sweep_rows, err = try_call(sweep, sweep_n, ceiling, limit, grid)
     if err:
       sweep_rows = [{"config": "all", "error": err}]
     ranked = sorted(sweep_rows, key=lambda r: -(r.get("tflops") or -1))
-    common.write_results(
+    write_results(
         "prefill_sweep", ranked, {**sub_meta, "title": f"Prefill tuning sweep, B=1, n={sweep_n}"},
         [("config", "config"), ("tflops", "TFLOP/s"), ("pct", "% of matmul"), ("smem_kib", "smem KiB (model)"),
          ("default", "default"), ("error", "error", lambda e: e[:80])],
@@ -311,23 +311,23 @@ def main(argv=None):
   acc = meta.get("accuracy", {}).get("max_abs_error", {})
   if acc:
     notes.append(f"max abs error vs float32 attention at B=1 n={acc_n}: " + ", ".join(
-        f"{LABELS[i]} {common.format_value(v) if isinstance(v, float) else v}" for i, v in acc.items()))
+        f"{LABELS[i]} {format_value(v) if isinstance(v, float) else v}" for i, v in acc.items()))
   plot = {"x": "n", "y": [f"{impl}_tflops" for impl in IMPLS], "logx": True,
           "labels": {f"{impl}_tflops": LABELS[impl] for impl in IMPLS},
           "where": lambda r: r["batch"] == 1, "xlabel": "sequence length n (batch 1)",
           "ylabel": "TFLOP/s (device time)", "title": "Causal prefill, 12 q heads / 2 kv heads, d=128, bf16",
           "hline": (ceiling, "bf16 matmul ceiling")}
-  paths = common.write_results("prefill", rows, meta, main_columns(), plot=plot, out_dir=out_dir,
-                               notes=notes, extra={"sweep": sweep_rows})
+  paths = write_results("prefill", rows, meta, main_columns(), plot=plot, out_dir=out_dir,
+                        notes=notes, extra={"sweep": sweep_rows})
 
-  log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
+  log(f"\n[{limit.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
   if sweep_rows:
     best = [r for r in sweep_rows if r.get("tflops")]
     if best:
       top = max(best, key=lambda r: r["tflops"])
       log(f"sweep best: {top['config']} {top['tflops']:.0f} TFLOP/s")
-  log(f"matmul ceiling {common.format_value(ceiling)} TFLOP/s; timing: {meta['timing']}")
-  log(common.markdown_table(rows, [("batch", "B"), ("n", "n")] + [
+  log(f"matmul ceiling {format_value(ceiling)} TFLOP/s; timing: {meta['timing']}")
+  log(markdown_table(rows, [("batch", "B"), ("n", "n")] + [
       (f"{impl}_tflops", impl) for impl in IMPLS] + [("jf_over_cudnn", "jf/cudnn", "{:.2f}"),
                                                        ("jf_over_mha", "jf/mha", "{:.2f}")]))
 

@@ -4,7 +4,7 @@ kernels grouped by what launched them (the model's named scopes), next to the wa
 Also measures the GEMV rate of XLA's matmuls at the model's projection shapes (batch 1,
 bf16, every weight read cold), the ceiling a batch-1 decode step is made of.
 
-  python bench/profile_step.py [--model 1.5b] [--batch 1] [--prompt 1024] [--out DIR]
+  python -m bench.profile_step [--model 1.5b] [--batch 1] [--prompt 1024] [--out DIR]
 """
 from __future__ import annotations
 
@@ -13,18 +13,17 @@ import collections
 import dataclasses
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench import common  # noqa: E402
-from bench.common import log  # noqa: E402
+from bench.cli import log
+from bench.environment import env_metadata
+from bench.timing import Timing, device_times_us, free_memory, has_gpu, profile_trace
+from bench.trace import gpu_kernel_events
 
 # Qwen2ForCausalLM's switches for its decode-step kernels (models/qwen2/model.py).
 MODEL_FLAGS = ("fused_qkv", "skinny_decode", "cache_write_kernel", "skinny_wide", "fused_residual_norm",
@@ -65,10 +64,10 @@ def gemv_rates(hidden: int, intermediate: int, q_out: int, kv_out: int, copies: 
     x = jnp.ones((rows, k), jnp.bfloat16)
     cases[name] = (lambda x, ws: [x @ w for w in ws], (x, ws))
     nbytes[name] = k * n * 2
-  timings = common.device_times_us(cases, max_iters=20, log=log)
+  timings = device_times_us(cases, max_iters=20, log=log)
   out = []
   for name, t in timings.items():
-    if isinstance(t, common.Timing):
+    if isinstance(t, Timing):
       us = t.us / copies
       out.append(dict(weight=name, rows=rows, shape=shapes[name], us=us,
                       gbs=nbytes[name] / us / 1e3, kernels=list(t.kernels)[:3]))
@@ -96,7 +95,7 @@ def main(argv=None):
 
   config = {"0.5b": qwen2.Qwen2Config.qwen2_5_0_5b, "1.5b": qwen2.Qwen2Config.qwen2_5_1_5b,
             "7b": qwen2.Qwen2Config.qwen2_5_7b, "tiny": qwen2.Qwen2Config.tiny}[args.model]()
-  report = {"meta": common.env_metadata(), "args": vars(args) | {"out": str(args.out)}}
+  report = {"meta": env_metadata(), "args": vars(args) | {"out": str(args.out)}}
   if not args.no_gemv:
     rows = [r for m in args.gemv_rows.split(",") for r in gemv_rates(
         config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim,
@@ -105,9 +104,9 @@ def main(argv=None):
     for r in rows:
       log(f"gemv M={r['rows']} {r['weight']:14s} {r.get('us', 0):7.2f} us {r.get('gbs', 0):7.0f} GB/s "
           f"{r.get('kernels', r.get('error'))}")
-    common.free_memory()
+    free_memory()
 
-  dtype = "bfloat16" if common.has_gpu() else "float32"
+  dtype = "bfloat16" if has_gpu() else "float32"
   model = qwen2.random_model(config, seed=0, dtype=dtype)
   for flag in filter(None, args.off.split(",")):
     if flag not in MODEL_FLAGS:
@@ -153,8 +152,8 @@ def main(argv=None):
   jax.block_until_ready(state[0])
 
   profiled = 5
-  trace = common._profile(lambda: [step() for _ in range(profiled)] and jax.block_until_ready(state[0]))
-  events = common.gpu_kernel_events(trace) if trace else []
+  trace = profile_trace(lambda: [step() for _ in range(profiled)] and jax.block_until_ready(state[0]))
+  events = gpu_kernel_events(trace) if trace else []
   hlo = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=greedy,
                                    attention_impl=sampler.attention_impl).compile().as_text()
   scopes = op_scopes(hlo)

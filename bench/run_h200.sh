@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# One device call: GPU tests and the chosen benchmarks, results packed for the trip back.
-# Usage (on the GPU machine, from the repo root): bash bench/run_h200.sh [tests] [prefill] [decode] [generate] ...
+# Runs the compiled GPU tests and the chosen benchmarks in order, appending each step's output
+# to $OUT/log.txt, then packs bench/results into $OUT/results.tar.gz.
+# Usage, from the repository root of a GPU machine:
+#   bash bench/run_h200.sh [tests] [tests-all] [prefill] [decode] [generate] [generate_tp] [profile_step] ['any command']
+# tests stops at the first failure, tests-all runs them all; a benchmark runs as
+# `python3 -m bench.<name> $BENCH_ARGS` and writes bench/results/h200/<name>.{json,md,png}.
 set -uo pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jaxflash_out}; mkdir -p "$OUT"
@@ -11,7 +15,8 @@ for step in "$@"; do
   case "$step" in
     tests) python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tail -n 60 | tee -a "$LOG" ;;
     tests-all) python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 80 | tee -a "$LOG" ;;
-    prefill|decode|generate) python3 "bench/$step.py" ${BENCH_ARGS:-} 2>&1 | tail -n 80 | tee -a "$LOG" ;;
+    prefill|decode|generate|generate_tp|profile_step)
+      python3 -m "bench.$step" ${BENCH_ARGS:-} 2>&1 | tail -n 80 | tee -a "$LOG" ;;
     *) eval "$step" 2>&1 | tail -n 80 | tee -a "$LOG" ;;
   esac
 done
