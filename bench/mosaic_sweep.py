@@ -115,7 +115,7 @@ def main(argv=None):
   p.add_argument("--sizes", type=int, nargs="*", default=list(SIZES))
   p.add_argument("--sweep-sizes", type=int, nargs="*", default=list(SWEEP_SIZES))
   p.add_argument("--configs", nargs="*", default=list(SWEEP_CONFIGS))
-  p.add_argument("--batch4", dest="batch4", action="store_false", help="skip the 4 x 4096 row")
+  p.add_argument("--no-batch4", dest="batch4", action="store_false", help="skip the 4 x 4096 row")
   p.add_argument("--out", default=os.environ.get("OUT") or str(common.DEFAULT_OUT))
   args = p.parse_args(argv)
 

@@ -412,7 +412,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else q_lengths
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
   num_q_tiles = seq_q_pad // q_rows
-  num_stages = config.num_stages
+  num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
 
   if _mosaic.interpret_params(interpret) is not None:
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
