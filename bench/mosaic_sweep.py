@@ -8,7 +8,7 @@ jaxflash's Pallas-Triton prefill and cuDNN (jax.nn.dot_product_attention, "cudnn
 
   python -m bench.mosaic_sweep                  # sweep at 8192 and 32768, then the table
   python -m bench.mosaic_sweep --no-sweep --sizes 4096 16384
-  python -m bench.mosaic_sweep --configs 64x128x2 64x128x3
+  python -m bench.mosaic_sweep --configs 64x128x2 64x128x3 64x128x2a   # a: auto_barriers
 
 Writes mosaic_sweep.json to --out (default $OUT when set, else bench/results/h200) and
 prints a short table last.
@@ -32,12 +32,15 @@ from jaxflash import mosaic
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_SIZES = (8192, 32768)
-SWEEP_CONFIGS = ("64x64x2", "64x64x4", "64x128x2", "64x128x3", "64x192x2", "64x256x1")
+SWEEP_CONFIGS = ("64x64x4", "64x128x2", "64x128x2a", "64x128x3", "64x192x2", "64x256x1")
 
 
 def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
-  block_q, block_kv, stages = (int(x) for x in text.split("x"))
-  return mosaic.MosaicPrefillConfig(block_q, block_kv, stages)
+  """'64x128x3' -> block_q 64, block_kv 128, 3 stages; a trailing 'a' turns Pallas' automatic
+  barriers on (the A/B of `auto_barriers`)."""
+  auto = text.endswith("a")
+  block_q, block_kv, stages = (int(x) for x in text.rstrip("a").split("x"))
+  return mosaic.MosaicPrefillConfig(block_q, block_kv, stages, auto_barriers=auto)
 
 
 def causal_flops(batch: int, n: int) -> float:

@@ -139,7 +139,8 @@ def test_scale_residual_off_and_configs(rng):
   ref, _ = attention_f64(q, k, v, scale=0.3, is_causal=True)
   assert_close(out, ref, BF16)
   for config in (MosaicPrefillConfig(64, 64, 1), MosaicPrefillConfig(64, 128, 2),
-                 MosaicPrefillConfig(64, 64, 4)):
+                 MosaicPrefillConfig(64, 64, 4), MosaicPrefillConfig(64, 192, 2),
+                 MosaicPrefillConfig(64, 128, 2, auto_barriers=True)):
     out, lse = _run(q, k, v, is_causal=True, config=config)
     _check(out, lse, q, k, v, is_causal=True)
 

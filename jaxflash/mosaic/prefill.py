@@ -51,17 +51,23 @@ CONSUMER_REGISTERS = 232  # setmaxnreg per consumer thread; the producer keeps 4
 PRODUCER_REGISTERS = 40
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SWIZZLE_BYTES = 128
-SMEM_RESERVE = 1024  # barriers and the compiler's own scratch
+SMEM_RESERVE = 1024  # barriers (no reduction scratch: row reductions stay inside a warp)
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicPrefillConfig:
   """Tiles of the Mosaic prefill: `block_q` query rows per consumer warpgroup (a CTA holds
-  2 * block_q), `block_kv` keys per step, `num_stages` K/V tiles in flight."""
+  2 * block_q), `block_kv` keys per step, `num_stages` K/V tiles in flight.
+
+  `auto_barriers`: let Pallas insert its conservative barriers around shared-memory loads
+  and stores. Off by default: every shared-memory region here is either written by TMA and
+  read by wgmma, or written once by the consumer that then stores it, the two conditions
+  under which Pallas documents `unsafe_no_auto_barriers` as safe."""
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
+  auto_barriers: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     tiles = NUM_CONSUMERS * self.block_q + 2 * self.num_stages * self.block_kv
@@ -261,7 +267,7 @@ def _prefill_kernel(
       slot = lax.rem(j, num_stages)
 
       def qk(s_ref):
-        plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
         schedule_turn()  # our QK^T is issued: the other consumer may run its PV
         return s_ref[...]
 
@@ -446,7 +452,11 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # approx_math: exp2 is one ex2.approx; the row max and sum of a wgmma tile stay within
+      # a warp, so no shared-memory scratch is reserved for cross-warp reductions.
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, reduction_scratch_bytes=0,
+          unsafe_no_auto_barriers=not config.auto_barriers),
   )(q_len, kv_len, q, k, v)
 
   out = out[:, :seq_q]
