@@ -80,7 +80,7 @@ C = MosaicPrefillConfig
 # tile per consumer keeps its accumulator and score tile in registers.
 _CONFIGS = {
     64: [C(64, 128, 4), C(64, 64, 2)],
-    128: [C(64, 128, 3), C(64, 128, 2), C(64, 64, 2)],
+    128: [C(64, 128, 2), C(64, 64, 2)],
     256: [C(64, 64, 2), C(64, 64, 1)],
 }
 
@@ -416,6 +416,12 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   k = key if seq_kv_pad == seq_kv else jnp.pad(key, kv_pad)
   v = value if seq_kv_pad == seq_kv else jnp.pad(value, kv_pad)
   q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else q_lengths
+  if kv_lengths is not None:
+    # TMA copies whole tiles: values past a sequence's keys reach the tensor cores as they
+    # are. Their probabilities are exact zeros, but 0 * NaN is NaN, so they are zeroed here
+    # (one pass over V, only when lengths are given). Keys need nothing: their scores are
+    # replaced by -inf, whatever they were.
+    v = jnp.where((jnp.arange(seq_kv_pad)[None, :] < kv_lengths[:, None])[:, :, None, None], v, 0)
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
   num_q_tiles = seq_q_pad // q_rows
   num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
