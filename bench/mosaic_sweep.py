@@ -32,15 +32,16 @@ from jaxflash import mosaic
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_SIZES = (8192, 32768)
-SWEEP_CONFIGS = ("64x64x4", "64x128x2", "64x128x2a", "64x128x3", "64x192x2", "64x256x1")
+SWEEP_CONFIGS = ("64x128x2", "64x128x2n", "64x128x3n", "64x192x2n", "64x64x4n")
 
 
 def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
   """'64x128x3' -> block_q 64, block_kv 128, 3 stages; a trailing 'a' turns Pallas' automatic
-  barriers on (the A/B of `auto_barriers`)."""
-  auto = text.endswith("a")
-  block_q, block_kv, stages = (int(x) for x in text.rstrip("a").split("x"))
-  return mosaic.MosaicPrefillConfig(block_q, block_kv, stages, auto_barriers=auto)
+  barriers on (the A/B of `auto_barriers`), a trailing 'n' the named-barrier ping-pong."""
+  flags = text.split("x")[-1].lstrip("0123456789")
+  block_q, block_kv, stages = (int(x.rstrip("an")) for x in text.split("x"))
+  return mosaic.MosaicPrefillConfig(block_q, block_kv, stages, auto_barriers="a" in flags,
+                                    named_schedule="n" in flags)
 
 
 def causal_flops(batch: int, n: int) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 AVAILABLE = False
 IMPORT_ERROR: str | None = None
@@ -30,6 +31,12 @@ try:
   AVAILABLE = True
 except Exception as e:  # noqa: BLE001 -- any failure means "no Mosaic GPU here"
   IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+try:
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import llvm
+except Exception:  # noqa: BLE001 -- only the named barriers need them
+  ir = llvm = None
 
 try:
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F811
@@ -49,6 +56,22 @@ INTERPRET_GAPS = (
 MIN_CAPABILITY = (9, 0)  # wgmma and TMA tensor copies: Hopper and later
 
 
+def named_barrier(operation: str, barrier_id, num_threads: int) -> None:
+  """PTX `bar.sync` / `bar.arrive` on hardware barrier `barrier_id` (an int32 scalar, may
+  differ between warpgroups) counting `num_threads` threads. Cheaper than an mbarrier
+  round trip through shared memory; Mosaic GPU keeps the low IDs for itself, so callers
+  use 8 and up."""
+  if operation not in ("sync", "arrive"):
+    raise ValueError(f"operation must be 'sync' or 'arrive', got {operation!r}")
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+  def bar(_, index):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [index.registers[()]],
+                    f"bar.{operation} $0, {num_threads};", "r", has_side_effects=True)
+
+  bar(jnp.asarray(barrier_id, jnp.int32))
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
@@ -64,4 +87,4 @@ def interpret_params(interpret):
 
 
 __all__ = ["AVAILABLE", "IMPORT_ERROR", "pl", "plgpu", "InterpretGPUParams", "LOG2_E", "LN_2",
-           "MIN_CAPABILITY", "INTERPRET_GAPS", "on_gpu", "interpret_params"]
+           "MIN_CAPABILITY", "INTERPRET_GAPS", "named_barrier", "on_gpu", "interpret_params"]

@@ -7,6 +7,8 @@ table, the guarded import and the argument checks.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,7 @@ def _check(out, lse, q, k, v, *, is_causal, q_lengths=None, kv_lengths=None, sca
 # (batch, T, S, N, K, head_dim, dtype, causal, config): odd lengths, T < S and T > S, GQA
 # groups 1, 2, 3, 5, 6, 7, 8, every head dim (64, 128, 192, 256) and both dtypes.
 SMALL = MosaicPrefillConfig(64, 64, 2)
+NAMED = MosaicPrefillConfig(64, 128, 2, named_schedule=True)
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -72,13 +75,15 @@ CASES = [
     (1, 1000, 1000, 12, 2, 128, BF16, True, None),  # many tiles, deep ring
     (1, 513, 777, 3, 3, 192, F16, True, None),
     (1, 640, 640, 4, 1, 64, F16, True, None),
+    (2, 1000, 1100, 12, 2, 128, BF16, True, NAMED),  # the named-barrier ping-pong
+    (1, 333, 333, 4, 2, 256, F16, False, dataclasses.replace(NAMED, block_kv=64)),
 ]
 
 
 def _case_id(case):
   b, t, s, n, k, h, dtype, causal, config = case
   return (f"b{b}-t{t}-s{s}-n{n}-k{k}-h{h}-{jnp.dtype(dtype).name}-{'causal' if causal else 'full'}"
-          f"-{'small' if config else 'default'}")
+          f"-{'default' if config is None else 'named' if config.named_schedule else 'small'}")
 
 
 @gpu
@@ -140,7 +145,7 @@ def test_scale_residual_off_and_configs(rng):
   assert_close(out, ref, BF16)
   for config in (MosaicPrefillConfig(64, 64, 1), MosaicPrefillConfig(64, 128, 2),
                  MosaicPrefillConfig(64, 64, 4), MosaicPrefillConfig(64, 192, 2),
-                 MosaicPrefillConfig(64, 128, 2, auto_barriers=True)):
+                 MosaicPrefillConfig(64, 128, 2, auto_barriers=True), NAMED):
     out, lse = _run(q, k, v, is_causal=True, config=config)
     _check(out, lse, q, k, v, is_causal=True)
 

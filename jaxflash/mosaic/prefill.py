@@ -51,6 +51,8 @@ CONSUMER_REGISTERS = 232  # setmaxnreg per consumer thread; the producer keeps 4
 PRODUCER_REGISTERS = 40
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SWIZZLE_BYTES = 128
+WARPGROUP_THREADS = 128
+SCHEDULE_ID = 8  # first hardware named barrier of the ping-pong (Mosaic GPU uses the low IDs)
 SMEM_RESERVE = 1024  # barriers (no reduction scratch: row reductions stay inside a warp)
 
 
@@ -62,12 +64,16 @@ class MosaicPrefillConfig:
   `auto_barriers`: let Pallas insert its conservative barriers around shared-memory loads
   and stores. Off by default: every shared-memory region here is either written by TMA and
   read by wgmma, or written once by the consumer that then stores it, the two conditions
-  under which Pallas documents `unsafe_no_auto_barriers` as safe."""
+  under which Pallas documents `unsafe_no_auto_barriers` as safe.
+
+  `named_schedule`: the ping-pong on two hardware named barriers (bar.arrive on the other
+  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier."""
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
   auto_barriers: bool = False
+  named_schedule: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     tiles = NUM_CONSUMERS * self.block_q + 2 * self.num_stages * self.block_kv
@@ -198,6 +204,7 @@ def _prefill_kernel(
     seq_kv: int,
     num_q_tiles: int,
     group: int,
+    named_schedule: bool,
 ):
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
@@ -232,9 +239,35 @@ def _prefill_kernel(
   # so under the causal mask it usually needs more).
   cta_steps = jnp.maximum(bounds(cta_base)[0], bounds(cta_base + block_q)[0])
 
-  def schedule_turn():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+  # The ping-pong, per step of each consumer: `issued` once its QK^T is issued (the other
+  # consumer may now run its PV), `softmax_done` before its own PV.
+  if named_schedule:
+    # Consumer w syncs on hardware barrier SCHEDULE_ID + w, which the other one arrives at:
+    # one arrive and one sync a step.
+    def release():
+      _mosaic.named_barrier("arrive", SCHEDULE_ID + 1 - wg, 2 * WARPGROUP_THREADS)
+
+    def acquire():
+      _mosaic.named_barrier("sync", SCHEDULE_ID + wg, 2 * WARPGROUP_THREADS)
+
+    issued = end_turn = release
+    start_turn = acquire
+
+    def softmax_done(slot):
+      plgpu.barrier_wait(v_ready.at[slot])
+      acquire()
+  else:
+    # One two-arrival mbarrier that both consumers pass twice a step.
+    def issued():
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+    start_turn = end_turn = issued
+
+    def softmax_done(slot):
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(schedule)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
@@ -254,7 +287,7 @@ def _prefill_kernel(
     def _():
       plgpu.barrier_wait(k_ready.at[0])
 
-    pl.when(wg == 1)(schedule_turn)  # the second consumer starts half a step behind
+    pl.when(wg == 1)(start_turn)  # the second consumer starts half a step behind
 
     def iota(shape, dim):
       return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
@@ -268,7 +301,7 @@ def _prefill_kernel(
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-        schedule_turn()  # our QK^T is issued: the other consumer may run its PV
+        issued()  # our QK^T is issued: the other consumer may run its PV
         return s_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [block_q, block_kv]
@@ -293,9 +326,7 @@ def _prefill_kernel(
       p_tile = p.astype(dtype)
       # Keep the softmax before the barrier (the order decides the overlap).
       acc, l_i, m_new, p_tile = lax.optimization_barrier((acc, l_i, m_new, p_tile))
-      plgpu.barrier_arrive(schedule)  # softmax done: the other consumer's turn
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(schedule)  # the tensor cores are ours again
+      softmax_done(slot)  # the tensor cores are ours again
 
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
@@ -313,13 +344,16 @@ def _prefill_kernel(
       slot = lax.rem(j, num_stages)
       plgpu.barrier_arrive(k_free.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
-      schedule_turn()
-      schedule_turn()
+      issued()
+      if named_schedule:
+        acquire()
+      else:
+        issued()
 
     carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
     acc, m_i, l_i = lax.fori_loop(unmasked, steps, functools.partial(step, masked=True), carry)
     lax.fori_loop(steps, cta_steps, drain, None)
-    pl.when(wg == 0)(schedule_turn)
+    pl.when(wg == 0)(end_turn)
 
     # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
     # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
@@ -431,7 +465,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   kernel = functools.partial(
       _prefill_kernel, qk_scale=scale * LOG2_E, is_causal=is_causal, block_q=block_q,
       block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
-      num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads)
+      num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
+      named_schedule=config.named_schedule)
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
