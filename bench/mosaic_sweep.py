@@ -6,7 +6,8 @@ Every figure is device time (the sum of the call's GPU kernel durations in a JAX
 trace, bench.common), all implementations in one process: jaxflash's Mosaic kernel,
 jaxflash's Pallas-Triton prefill and cuDNN (jax.nn.dot_product_attention, "cudnn").
 
-  python -m bench.mosaic_sweep                  # sweep at 8192 and 32768, then the table
+  python -m bench.mosaic_sweep                  # sweeps (d = 128 at 8192 and 32768; d = 64
+                                                #   and 256 at 8192), then the table
   python -m bench.mosaic_sweep --no-sweep --sizes 4096 16384
   python -m bench.mosaic_sweep --configs 64x128x2 64x128x3 64x128x2a   # a: auto_barriers
 
@@ -32,7 +33,11 @@ from jaxflash import mosaic
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_SIZES = (8192, 32768)
-SWEEP_CONFIGS = ("64x128x2", "64x128x2n", "64x128x3n", "64x192x2n", "64x64x4n")
+SWEEP_CONFIGS = ("64x64x2", "64x64x4", "64x128x2", "64x128x2a", "64x128x2n", "64x128x3", "64x192x2",
+                 "64x256x1")
+# Other head dims, swept at 8192 only (their table rows in jaxflash/mosaic/prefill.py).
+HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2"),
+                  256: ("64x64x1", "64x64x2", "64x128x1")}
 
 
 def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
@@ -44,15 +49,15 @@ def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
                                     named_schedule="n" in flags)
 
 
-def causal_flops(batch: int, n: int) -> float:
-  return 4.0 * n * n * HEAD_DIM * HEADS * batch / 2
+def causal_flops(batch: int, n: int, head_dim: int = HEAD_DIM) -> float:
+  return 4.0 * n * n * head_dim * HEADS * batch / 2
 
 
-def inputs(batch: int, n: int, seed: int = 0):
+def inputs(batch: int, n: int, head_dim: int = HEAD_DIM, seed: int = 0):
   keys = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(keys[0], (batch, n, HEADS, HEAD_DIM), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (batch, n, KV_HEADS, HEAD_DIM), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (batch, n, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+  q = jax.random.normal(keys[0], (batch, n, HEADS, head_dim), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (batch, n, KV_HEADS, head_dim), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (batch, n, KV_HEADS, head_dim), jnp.bfloat16)
   return q, k, v
 
 
@@ -78,16 +83,16 @@ def _max_error(out, ref) -> float:
   return float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
 
 
-def sweep(n: int, configs) -> list[dict]:
-  args = inputs(1, n)
+def sweep(n: int, configs, head_dim: int = HEAD_DIM) -> list[dict]:
+  args = inputs(1, n, head_dim)
   cases = {c: (mosaic_fn(parse_config(c)), args) for c in configs}
   timings = common.device_times_us(cases, log=common.log)
   rows = []
   for c in configs:
-    tflops, err = _tflops(timings.get(c), causal_flops(1, n))
-    rows.append({"n": n, "config": c, "tflops": tflops, "error": err,
+    tflops, err = _tflops(timings.get(c), causal_flops(1, n, head_dim))
+    rows.append({"n": n, "head_dim": head_dim, "config": c, "tflops": tflops, "error": err,
                  "us": getattr(timings.get(c), "us", None)})
-    common.log(f"  sweep n={n} {c}: {tflops if tflops else err}")
+    common.log(f"  sweep d={head_dim} n={n} {c}: {tflops if tflops else err}")
   common.free_memory()
   return rows
 
@@ -119,6 +124,8 @@ def main(argv=None):
   p.add_argument("--sizes", type=int, nargs="*", default=list(SIZES))
   p.add_argument("--sweep-sizes", type=int, nargs="*", default=list(SWEEP_SIZES))
   p.add_argument("--configs", nargs="*", default=list(SWEEP_CONFIGS))
+  p.add_argument("--no-head-dims", dest="head_dims", action="store_false",
+                 help="skip the d = 64 and d = 256 sweeps")
   p.add_argument("--no-batch4", dest="batch4", action="store_false", help="skip the 4 x 4096 row")
   p.add_argument("--out", default=os.environ.get("OUT") or str(common.DEFAULT_OUT))
   args = p.parse_args(argv)
@@ -128,6 +135,9 @@ def main(argv=None):
   if args.sweep:
     for n in args.sweep_sizes:
       result["sweep"] += sweep(n, args.configs)
+    if args.head_dims:
+      for head_dim, configs in HEAD_DIM_SWEEP.items():
+        result["sweep"] += sweep(8192, configs, head_dim)
   if args.table:
     for n in args.sizes:
       result["table"].append(table_row(1, n))
@@ -139,9 +149,9 @@ def main(argv=None):
 
   fmt = lambda v: "-" if v is None else f"{v:.0f}" if isinstance(v, float) and v > 10 else f"{v:.3g}"
   if result["sweep"]:
-    print("\nsweep (TFLOP/s): n config tflops")
+    print("\nsweep (TFLOP/s): d n config tflops")
     for r in result["sweep"]:
-      print(f"  {r['n']:6d} {r['config']:10s} {fmt(r['tflops'])} {r['error'] or ''}"[:160])
+      print(f"  {r['head_dim']:3d} {r['n']:6d} {r['config']:10s} {fmt(r['tflops'])} {r['error'] or ''}"[:160])
   print("\nB x n | mosaic | triton | cudnn | mosaic/cudnn | max|diff| vs cudnn")
   for r in result["table"]:
     print(f"{r['batch']} x {r['n']} | {fmt(r.get('mosaic_tflops'))} | {fmt(r.get('triton_tflops'))} | "
