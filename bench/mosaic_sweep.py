@@ -3,7 +3,7 @@
 Shapes: the seed's Qwen2.5-1.5B attention, B = 1 (and 4 x 4096), 12 query heads, 2 KV
 heads, head dim 128, bf16, causal. TFLOP/s count 4 n^2 d per head, halved for causal.
 Every figure is device time (the sum of the call's GPU kernel durations in a JAX profiler
-trace, bench.common), all implementations in one process: jaxflash's Mosaic kernel,
+trace, bench.timing), all implementations in one process: jaxflash's Mosaic kernel,
 jaxflash's Pallas-Triton prefill and cuDNN (jax.nn.dot_product_attention, "cudnn").
 
   python -m bench.mosaic_sweep                  # sweeps (d = 128 at 8192 and 32768; d = 64
@@ -26,7 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import common
+try:  # bench split by concept (main from 3c2146b on)
+  from bench import environment, timing
+  from bench.ceilings import measure as measure_ceilings
+  from bench.cli import log
+  from bench.report import RESULTS_DIR
+except ImportError:  # the single bench module before the split
+  from bench import common as timing
+  from bench.common import DEFAULT_OUT as RESULTS_DIR
+  from bench.common import ceilings as measure_ceilings
+  from bench.common import log
+  environment = timing
 import jaxflash
 from jaxflash import mosaic
 
@@ -73,10 +83,10 @@ def cudnn_fn(q, k, v):
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def _tflops(timing, flops):
-  if not isinstance(timing, common.Timing):
-    return None, (timing or {}).get("error")
-  return flops / (timing.us * 1e-6) / 1e12, None
+def _tflops(t, flops):
+  if not isinstance(t, timing.Timing):
+    return None, (t or {}).get("error")
+  return flops / (t.us * 1e-6) / 1e12, None
 
 
 def _max_error(out, ref) -> float:
@@ -86,21 +96,21 @@ def _max_error(out, ref) -> float:
 def sweep(n: int, configs, head_dim: int = HEAD_DIM) -> list[dict]:
   args = inputs(1, n, head_dim)
   cases = {c: (mosaic_fn(parse_config(c)), args) for c in configs}
-  timings = common.device_times_us(cases, log=common.log)
+  timings = timing.device_times_us(cases, log=log)
   rows = []
   for c in configs:
     tflops, err = _tflops(timings.get(c), causal_flops(1, n, head_dim))
     rows.append({"n": n, "head_dim": head_dim, "config": c, "tflops": tflops, "error": err,
                  "us": getattr(timings.get(c), "us", None)})
-    common.log(f"  sweep d={head_dim} n={n} {c}: {tflops if tflops else err}")
-  common.free_memory()
+    log(f"  sweep d={head_dim} n={n} {c}: {tflops if tflops else err}")
+  timing.free_memory()
   return rows
 
 
 def table_row(batch: int, n: int, config=None) -> dict:
   args = inputs(batch, n)
   cases = {"mosaic": (mosaic_fn(config), args), "triton": (triton_fn, args), "cudnn": (cudnn_fn, args)}
-  timings = common.device_times_us(cases, keep_output=True, log=common.log)
+  timings = timing.device_times_us(cases, keep_output=True, log=log)
   row = {"batch": batch, "n": n}
   for name in cases:
     row[f"{name}_tflops"], err = _tflops(timings.get(name), causal_flops(batch, n))
@@ -111,9 +121,9 @@ def table_row(batch: int, n: int, config=None) -> dict:
     row["max_abs_diff_vs_cudnn"] = _max_error(outputs["mosaic"], outputs["cudnn"])
   if row.get("mosaic_tflops") and row.get("cudnn_tflops"):
     row["mosaic_over_cudnn"] = row["mosaic_tflops"] / row["cudnn_tflops"]
-  common.log(f"  {batch}x{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()
+  log(f"  {batch}x{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()
                                           if k.endswith("tflops") and v))
-  common.free_memory()
+  timing.free_memory()
   return row
 
 
@@ -127,11 +137,11 @@ def main(argv=None):
   p.add_argument("--no-head-dims", dest="head_dims", action="store_false",
                  help="skip the d = 64 and d = 256 sweeps")
   p.add_argument("--no-batch4", dest="batch4", action="store_false", help="skip the 4 x 4096 row")
-  p.add_argument("--out", default=os.environ.get("OUT") or str(common.DEFAULT_OUT))
+  p.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS_DIR))
   args = p.parse_args(argv)
 
-  result = {"meta": common.env_metadata(), "ceilings": common.ceilings(), "sweep": [], "table": []}
-  common.log(f"ceilings: {result['ceilings']}")
+  result = {"meta": environment.env_metadata(), "ceilings": measure_ceilings(), "sweep": [], "table": []}
+  log(f"ceilings: {result['ceilings']}")
   if args.sweep:
     for n in args.sweep_sizes:
       result["sweep"] += sweep(n, args.configs)
