@@ -1,0 +1,519 @@
+"""FlashAttention-3 style prefill (causal or not) for Hopper, in Pallas Mosaic GPU.
+
+Same function as `jaxflash.prefill_attention` (the Pallas-Triton FlashAttention-2 kernel,
+whose plain-JAX reference `prefill_reference` this module shares), built the way
+FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
+
+* Warp specialisation. A CUDA block (CTA) holds three warpgroups: two consumers, each
+  owning `block_q` query rows, and one producer that only issues TMA copies of K and V
+  tiles into a `num_stages`-deep shared-memory ring. Each ring slot has a "ready" barrier
+  (the TMA completes it) and a "free" barrier (both consumers arrive once they have read
+  it); the producer waits on "free" before it overwrites a slot. The producer gives its
+  registers away (setmaxnreg) so the consumers can hold a 64 x 128 float32 accumulator and
+  a 64 x block_kv score tile each.
+* wgmma for both products: S = Q K^T from shared memory into float32 registers, O += P V
+  with P (bf16/fp16) straight from registers.
+* Ping-pong. A two-arrival "schedule" barrier makes the two consumers take turns: while
+  one runs its softmax on the CUDA cores, the other's wgmma runs on the tensor cores
+  (FlashAttention-3, section 3.1, "pingpong scheduling").
+* Online softmax in base 2 with the scale folded into one multiply-add (scores times
+  scale * log2 e, minus the running max), exp2 lowered to ex2.approx; the output is divided
+  by the running sum once, at the end (FlashAttention-2, section 3.1.1).
+* Causal attention is a loop bound: per consumer, the key blocks every row may see run
+  unmasked, the blocks that straddle the diagonal (or the end of the valid keys) run
+  masked, and blocks past the diagonal are never loaded. The bounds are computed in the
+  kernel from the per-sequence lengths (data, not shapes: no recompiles).
+* The grid walks query tiles from the last (longest under the causal mask) to the first,
+  with heads varying fastest so that CTAs resident together read the same KV head (GQA:
+  one KV tile in L2 serves its query heads; K and V are never repeated).
+
+Layout: query [B, T, N, H], key/value [B, S, K, H], N a multiple of K; H a multiple of 64
+(the 128-byte swizzle) up to 256; bf16 or fp16. T and S that are not multiples of the tiles
+are padded with zeros outside the kernel (padded keys are masked, padded rows sliced off);
+the common case of whole tiles pads nothing. With key_value_seq_lengths, values past each
+sequence's keys are zeroed first (TMA copies whole tiles, and 0 * NaN is NaN).
+
+Measured on the H200, 2026-12-01 (B = 1, 12 / 2 heads, d = 128, bf16, causal, device
+time): 444 / 567 / 673 / 668 TFLOP/s at 4K / 8K / 16K / 32K, 1.06-1.10x cuDNN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from jaxflash import _checks, _mosaic
+from jaxflash._mosaic import LN_2, LOG2_E, pl, plgpu
+from jaxflash.device import DeviceInfo, device_info
+from jaxflash.prefill import prefill_reference
+
+NUM_CONSUMERS = 2  # consumer warpgroups per CTA (FlashAttention-3's ping-pong pair)
+CONSUMER_REGISTERS = 232  # setmaxnreg per consumer thread; the producer keeps 40
+PRODUCER_REGISTERS = 40
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SWIZZLE_BYTES = 128
+WARPGROUP_THREADS = 128
+SCHEDULE_ID = 8  # first hardware named barrier of the ping-pong (Mosaic GPU uses the low IDs)
+SMEM_RESERVE = 1024  # barriers (no reduction scratch: row reductions stay inside a warp)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefillConfig:
+  """Tiles of the Mosaic prefill: `block_q` query rows per consumer warpgroup (a CTA holds
+  2 * block_q), `block_kv` keys per step, `num_stages` K/V tiles in flight.
+
+  `auto_barriers`: let Pallas insert its conservative barriers around shared-memory loads
+  and stores. Off by default: every shared-memory region here is either written by TMA and
+  read by wgmma, or written once by the consumer that then stores it, the two conditions
+  under which Pallas documents `unsafe_no_auto_barriers` as safe.
+
+  `named_schedule`: the ping-pong on two hardware named barriers (bar.arrive on the other
+  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier."""
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+  auto_barriers: bool = False
+  named_schedule: bool = False
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    tiles = NUM_CONSUMERS * self.block_q + 2 * self.num_stages * self.block_kv
+    return itemsize * head_dim * tiles + 4 * NUM_CONSUMERS * self.block_q + SMEM_RESERVE
+
+
+C = MosaicPrefillConfig
+# Head-dim bucket -> candidates, best first; tuned on the H200 on 2026-12-01 with
+# bench/mosaic_sweep.py (B = 1, 12 / 2 heads, bf16, causal; TFLOP/s). d = 128 at 8192 /
+# 32768: 64x128x2 566 / 642, 64x128x3 558 / 573, 64x192x2 521 / 619, 64x256x1 542 / 617,
+# 64x64x2 479 / 560. d = 64 at 8192: 64x128x2 391, 64x128x4 388, 64x64x4 328. d = 256 at
+# 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. block_q stays 64: one wgmma M tile per
+# consumer keeps its accumulator and score tile in registers.
+_CONFIGS = {
+    64: [C(64, 128, 2), C(64, 64, 2)],
+    128: [C(64, 128, 2), C(64, 64, 2)],
+    256: [C(64, 64, 2), C(64, 64, 1)],
+}
+
+
+def _bucket(head_dim: int) -> int:
+  return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def mosaic_prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> MosaicPrefillConfig:
+  """The tuned config for this head dim and dtype: the first candidate that fits `info`'s
+  shared memory (default: this GPU)."""
+  info = info or device_info()
+  itemsize = jnp.dtype(dtype).itemsize
+  for config in _CONFIGS[_bucket(head_dim)]:
+    if config.smem_bytes(head_dim, itemsize) <= info.smem_per_block:
+      return config
+  raise ValueError(f"no Mosaic prefill config fits {info.name}'s {info.smem_per_block} bytes of "
+                   f"shared memory for head_dim={head_dim}")
+
+
+def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
+  if not isinstance(config, MosaicPrefillConfig):
+    raise TypeError(f"config must be a jaxflash.mosaic.MosaicPrefillConfig, got {type(config).__name__}")
+  if config.block_q % 64 or config.block_kv % 64 or not config.block_q or not config.block_kv:
+    raise ValueError(f"config.block_q and config.block_kv must be positive multiples of 64 "
+                     f"(wgmma tiles, 128-byte swizzle), got {config}")
+  if config.num_stages < 1:
+    raise ValueError(f"config.num_stages must be >= 1, got {config}")
+  need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
+  if need > info.smem_per_block:
+    raise ValueError(f"{config} needs ~{need} bytes of shared memory for head_dim={head_dim}, over "
+                     f"the {info.smem_per_block}-byte budget of a block on {info.name}")
+
+
+# Options of the shared interface (OPTIONS.md) this kernel does not take: any of them set
+# (not None / not the default) is a reason to fall back.
+_UNSUPPORTED_OPTIONS = {"bias": None, "mask": None, "local_window_size": None,
+                        "logits_soft_cap": None, "sinks": None, "causal_alignment": "bottom_right"}
+
+
+def supports(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
+             info: DeviceInfo | None = None, **options) -> str | None:
+  """None when the Mosaic prefill can serve this call, else the reason it cannot.
+
+  query [B, T, N, H], key/value [B, S, K, H] (arrays or ShapeDtypeStructs). `info`
+  describes the GPU (default: this process's device; no GPU is a reason). `options` are
+  the other keywords of the shared interface (bias, mask, local_window_size,
+  logits_soft_cap, sinks, causal_alignment, is_causal, scale, ...); those this kernel
+  does not take are reasons when set.
+  """
+  del query_seq_lengths, key_value_seq_lengths  # lengths are always served
+  if not _mosaic.AVAILABLE:
+    return f"Pallas Mosaic GPU does not import in this JAX ({_mosaic.IMPORT_ERROR})"
+  if info is None:
+    if not _mosaic.on_gpu():
+      return "no GPU: the Mosaic GPU kernel runs compiled on sm_90+ only"
+    info = device_info()
+  if tuple(info.compute_capability) < _mosaic.MIN_CAPABILITY:
+    major, minor = info.compute_capability
+    return (f"{info.name} is sm_{major}{minor}; the Mosaic GPU kernel needs sm_90+ "
+            "(wgmma, TMA)")
+  for name, default in _UNSUPPORTED_OPTIONS.items():
+    value_ = options.get(name, default)
+    if value_ is not None and not (isinstance(default, str) and value_ == default):
+      return f"{name}={value_!r} is not supported by the Mosaic prefill"
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if getattr(x, "ndim", None) != 4:
+      return f"{name} must have rank 4"
+    if jnp.dtype(x.dtype) not in DTYPES:
+      return f"{name} is {jnp.dtype(x.dtype).name}; the Mosaic prefill takes bfloat16 and float16"
+  if not (query.dtype == key.dtype == value.dtype):
+    return (f"query, key and value must share one dtype, got {jnp.dtype(query.dtype).name}, "
+            f"{jnp.dtype(key.dtype).name} and {jnp.dtype(value.dtype).name}")
+  head_dim = query.shape[-1]
+  if key.shape[-1] != head_dim or value.shape != key.shape:
+    return "key and value must match each other and the query's head dim"
+  if head_dim % 64 or not 64 <= head_dim <= 256:
+    return f"head_dim={head_dim}; the Mosaic prefill takes multiples of 64 up to 256"
+  if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
+    return "query heads must be a multiple of key heads"
+  try:
+    mosaic_prefill_config(head_dim, query.dtype, info)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _prefill_kernel(
+    q_len_ref,  # [B] int32 GMEM: query count per sequence
+    kv_len_ref,  # [B] int32 GMEM: key count per sequence
+    q_ref,  # [B, T_pad, N, H] GMEM
+    k_ref,  # [B, S_pad, K, H] GMEM
+    v_ref,  # [B, S_pad, K, H] GMEM
+    o_ref,  # [B, T_pad, N, H] GMEM
+    lse_ref,  # [B, N, T_pad] float32 GMEM: natural-log LSE (seq minor: 1-D TMA stores)
+    q_smem,  # [2, block_q, H] SMEM: each consumer's Q tile, reused for its output tile
+    k_smem,  # [stages, block_kv, H] SMEM ring
+    v_smem,  # [stages, block_kv, H] SMEM ring
+    lse_smem,  # [2, block_q] float32 SMEM
+    k_ready, v_ready,  # [stages] barriers: the TMA of a slot landed
+    q_ready,  # [2] barriers: a consumer's Q tile landed
+    k_free, v_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
+    schedule,  # barrier, 2 arrivals: the consumers' ping-pong
+    *,
+    qk_scale: float,
+    is_causal: bool,
+    block_q: int,
+    block_kv: int,
+    num_stages: int,
+    seq_q: int,
+    seq_kv: int,
+    num_q_tiles: int,
+    group: int,
+    named_schedule: bool,
+):
+  dtype = q_ref.dtype
+  head_dim = q_ref.shape[-1]
+  head = lax.axis_index("heads")
+  tile = num_q_tiles - 1 - lax.axis_index("q_tiles")  # longest (causal) tiles first
+  batch = lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+
+  # Query t of this sequence sits at key position t + shift (bottom-right alignment).
+  q_len = q_len_ref[batch]
+  kv_len = kv_len_ref[batch]
+  shift = kv_len - q_len
+  q_valid = jnp.minimum(jnp.maximum(q_len, 0), seq_q)
+  kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), seq_kv)
+
+  def bounds(q_base):
+    """Key blocks for rows [q_base, q_base + block_q): (all, unmasked)."""
+    rows_end = jnp.minimum(q_base + block_q, q_valid)
+    if is_causal:
+      kv_end = jnp.minimum(kv_valid, rows_end + shift)
+      full_end = jnp.minimum(kv_valid, q_base + shift + 1)  # keys the block's first row sees
+    else:
+      kv_end = kv_valid
+      full_end = kv_valid
+    kv_end = jnp.where(rows_end > q_base, jnp.maximum(kv_end, 0), 0)
+    steps = lax.div(kv_end + (block_kv - 1), block_kv)
+    unmasked = jnp.minimum(lax.div(jnp.maximum(full_end, 0), block_kv), steps)
+    return steps, unmasked
+
+  cta_base = tile * (NUM_CONSUMERS * block_q)
+  # The producer loads the union of both consumers' blocks (the second's rows are later,
+  # so under the causal mask it usually needs more).
+  cta_steps = jnp.maximum(bounds(cta_base)[0], bounds(cta_base + block_q)[0])
+
+  # The ping-pong, per step of each consumer: `issued` once its QK^T is issued (the other
+  # consumer may now run its PV), `softmax_done` before its own PV.
+  if named_schedule:
+    # Consumer w syncs on hardware barrier SCHEDULE_ID + w, which the other one arrives at:
+    # one arrive and one sync a step.
+    def release():
+      _mosaic.named_barrier("arrive", SCHEDULE_ID + 1 - wg, 2 * WARPGROUP_THREADS)
+
+    def acquire():
+      _mosaic.named_barrier("sync", SCHEDULE_ID + wg, 2 * WARPGROUP_THREADS)
+
+    issued = end_turn = release
+    start_turn = acquire
+
+    def softmax_done(slot):
+      plgpu.barrier_wait(v_ready.at[slot])
+      acquire()
+  else:
+    # One two-arrival mbarrier that both consumers pass twice a step.
+    def issued():
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+    start_turn = end_turn = issued
+
+    def softmax_done(slot):
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    q_base = cta_base + wg * block_q
+    steps, unmasked = bounds(q_base)
+    q_tile = q_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), head], q_tile, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+    l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.barrier_wait(k_ready.at[0])
+
+    pl.when(wg == 1)(start_turn)  # the second consumer starts half a step behind
+
+    def iota(shape, dim):
+      return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def rows_bcast(x, shape):
+      return lax.broadcast_in_dim(x, shape, [0])
+
+    def step(j, carry, *, masked: bool):
+      acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
+      slot = lax.rem(j, num_stages)
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+        issued()  # our QK^T is issued: the other consumer may run its PV
+        return s_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [block_q, block_kv]
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        shape = (block_q, block_kv)
+        keys = iota(shape, 1) + j * block_kv
+        if is_causal:
+          # One compare per score: key <= min(row + shift, kv_valid - 1).
+          visible = keys <= jnp.minimum(iota(shape, 0) + (q_base + shift), kv_valid - 1)
+        else:
+          visible = keys < kv_valid
+        s = jnp.where(visible, s, -jnp.inf)
+      # m is kept in scaled units so p = exp2(s * c - m) is one FMA per score.
+      m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+      # A row that has seen no key keeps m = -inf; subtract 0 instead (no -inf - -inf).
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      alpha = jnp.exp2(m_i - m_safe)
+      p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
+      acc = acc * rows_bcast(alpha, acc.shape)
+      l_i = l_i * alpha + p.sum(axis=1)
+      p_tile = p.astype(dtype)
+      # Keep the softmax before the barrier (the order decides the overlap).
+      acc, l_i, m_new, p_tile = lax.optimization_barrier((acc, l_i, m_new, p_tile))
+      softmax_done(slot)  # the tensor cores are ours again
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
+
+        @pl.when(j + 1 < steps)
+        def _():
+          plgpu.barrier_wait(k_ready.at[lax.rem(j + 1, num_stages)])
+
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # the accumulator stays in its registers
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l_i
+
+    def drain(j, _):
+      # Blocks the other consumer still needs: release them and keep the schedule's count.
+      slot = lax.rem(j, num_stages)
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      issued()
+      if named_schedule:
+        acquire()
+      else:
+        issued()
+
+    carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
+    acc, m_i, l_i = lax.fori_loop(unmasked, steps, functools.partial(step, masked=True), carry)
+    lax.fori_loop(steps, cta_steps, drain, None)
+    pl.when(wg == 0)(end_turn)
+
+    # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
+    # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
+    attended = l_i > 0.0
+    inv_l = 1.0 / jnp.where(attended, l_i, 1.0)
+    shape = (block_q, head_dim)
+    keep = (iota(shape, 0) < q_valid - q_base) & rows_bcast(attended, shape)
+    q_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(dtype)
+    # m and log2(l) are base 2: ln 2 converts back to the natural-log LSE.
+    lse_smem[wg] = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_i, 1.0)), -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_base, block_q)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == NUM_CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    kv_head = lax.div(head, group)
+
+    def load(step, slot):
+      rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+    for i in range(num_stages):
+      pl.when(i < cta_steps)(functools.partial(load, i, i))
+
+    @pl.loop(0, jnp.maximum(cta_steps - num_stages, 0))
+    def _(j):
+      slot = lax.rem(j, num_stages)
+      rows = (batch, pl.ds((j + num_stages) * block_kv, block_kv), kv_head)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "is_causal", "return_residual", "config", "interpret"))
+def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
+                      scale=None, is_causal=False, return_residual=False,
+                      config: MosaicPrefillConfig | None = None, interpret: bool | None = None):
+  """FlashAttention-3 style forward pass on sm_90+ (Pallas Mosaic GPU).
+
+  query [B, T, N, H]; key, value [B, S, K, H] with N a multiple of K (query head n reads
+  KV head n // (N // K)); bf16 or fp16, one dtype; H a multiple of 64 up to 256.
+  query_seq_lengths, key_value_seq_lengths: optional int [B]. Rows t >= q_len[b] are
+  padding (zeros out, LSE -inf), keys s >= kv_len[b] are ignored; `is_causal` aligns the
+  diagonal bottom-right (query t sees keys s <= t + kv_len_b - q_len_b). Returns out
+  [B, T, N, H] in the query's dtype, and with `return_residual` the natural-log LSE
+  [B, T, N] float32 too: the same function as `jaxflash.prefill_attention`.
+
+  config: a MosaicPrefillConfig (default: the tuned `mosaic_prefill_config(H, dtype)`).
+  interpret: Mosaic GPU's interpret mode (default: when there is no GPU). It cannot run
+    this kernel yet (`jaxflash._mosaic.INTERPRET_GAPS`), so True, or no GPU, raises
+    NotImplementedError; the Pallas-Triton `jaxflash.prefill_attention` runs anywhere.
+  """
+  _checks.check_qkv(query, key, value)
+  _checks.check_same_batch(query, key)
+  batch, seq_q, num_heads, head_dim = query.shape
+  seq_kv, num_kv_heads = key.shape[1], key.shape[2]
+  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
+  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  if not _mosaic.AVAILABLE:
+    raise NotImplementedError(f"Pallas Mosaic GPU does not import here: {_mosaic.IMPORT_ERROR}")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if jnp.dtype(x.dtype) not in DTYPES:
+      raise TypeError(f"{name} must be bfloat16 or float16 for the Mosaic prefill, got "
+                      f"{jnp.dtype(x.dtype).name} {tuple(x.shape)}")
+  if not query.dtype == key.dtype:
+    raise TypeError(f"query and key must share one dtype for the Mosaic prefill, got "
+                    f"{jnp.dtype(query.dtype).name} and {jnp.dtype(key.dtype).name}")
+  if head_dim % 64 or head_dim > 256:
+    raise ValueError(f"the Mosaic prefill takes head dims that are multiples of 64 up to 256, "
+                     f"got query {tuple(query.shape)}")
+  scale = _checks.default_scale(scale, head_dim)
+  info = device_info()
+  if config is None:
+    config = mosaic_prefill_config(head_dim, query.dtype, info)
+  else:
+    _check_config(config, head_dim, query.dtype, info)
+
+  if 0 in (batch, seq_q, num_heads) or seq_kv == 0:
+    out = jnp.zeros(query.shape, query.dtype)
+    lse = jnp.full(query.shape[:3], -jnp.inf, jnp.float32)
+    return (out, lse) if return_residual else out
+
+  block_q, block_kv = config.block_q, config.block_kv
+  q_rows = NUM_CONSUMERS * block_q
+  seq_q_pad, seq_kv_pad = _round_up(seq_q, q_rows), _round_up(seq_kv, block_kv)
+  q = query if seq_q_pad == seq_q else jnp.pad(query, ((0, 0), (0, seq_q_pad - seq_q), (0, 0), (0, 0)))
+  kv_pad = ((0, 0), (0, seq_kv_pad - seq_kv), (0, 0), (0, 0))
+  k = key if seq_kv_pad == seq_kv else jnp.pad(key, kv_pad)
+  v = value if seq_kv_pad == seq_kv else jnp.pad(value, kv_pad)
+  q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else q_lengths
+  if kv_lengths is not None:
+    # TMA copies whole tiles: values past a sequence's keys reach the tensor cores as they
+    # are. Their probabilities are exact zeros, but 0 * NaN is NaN, so they are zeroed here
+    # (one pass over V, only when lengths are given). Keys need nothing: their scores are
+    # replaced by -inf, whatever they were.
+    v = jnp.where((jnp.arange(seq_kv_pad)[None, :] < kv_lengths[:, None])[:, :, None, None], v, 0)
+  kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
+  num_q_tiles = seq_q_pad // q_rows
+  num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
+
+  if _mosaic.interpret_params(interpret) is not None:
+    raise NotImplementedError(_mosaic.INTERPRET_GAPS)
+  kernel = functools.partial(
+      _prefill_kernel, qk_scale=scale * LOG2_E, is_causal=is_causal, block_q=block_q,
+      block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
+      num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
+      named_schedule=config.named_schedule)
+
+  # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
+  swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
+                              plgpu.SwizzleTransform(SWIZZLE_BYTES)))
+  scratch = [
+      plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), query.dtype, **swizzled),
+      plgpu.SMEM((num_stages, block_kv, head_dim), key.dtype, **swizzled),
+      plgpu.SMEM((num_stages, block_kv, head_dim), value.dtype, **swizzled),
+      plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
+      plgpu.Barrier(num_barriers=num_stages),
+      plgpu.Barrier(num_barriers=num_stages),
+      plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+  ]
+  out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
+              jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
+  out, lse = plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(num_heads, num_q_tiles, batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      # approx_math: exp2 is one ex2.approx; the row max and sum of a wgmma tile stay within
+      # a warp, so no shared-memory scratch is reserved for cross-warp reductions.
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, reduction_scratch_bytes=0,
+          unsafe_no_auto_barriers=not config.auto_barriers),
+  )(q_len, kv_len, q, k, v)
+
+  out = out[:, :seq_q]
+  if not return_residual:
+    return out
+  rows_valid = jnp.arange(seq_q)[None, :] < jnp.clip(q_len, 0, seq_q)[:, None]  # [B, T]
+  lse = jnp.where(rows_valid[:, :, None], jnp.swapaxes(lse[:, :, :seq_q], 1, 2), -jnp.inf)
+  return out, lse
+
+
+__all__ = ["prefill_attention", "prefill_reference", "supports", "MosaicPrefillConfig",
+           "mosaic_prefill_config"]

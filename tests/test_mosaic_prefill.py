@@ -1,0 +1,288 @@
+"""The Mosaic GPU (sm_90+) prefill against the float64 reference.
+
+The kernel cases run compiled only (marker `gpu`): JAX's Mosaic GPU interpret mode cannot
+run this kernel yet (jaxflash._mosaic.INTERPRET_GAPS says why), so on the CPU the tests
+check what needs no GPU: `supports` on device descriptions (the dispatch rule), the config
+table, the guarded import and the argument checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import _mosaic
+from jaxflash import mosaic
+from jaxflash.device import A100, H200, RTX_3090, RTX_4060_LAPTOP, DeviceInfo
+from jaxflash.mosaic import MosaicPrefillConfig, mosaic_prefill_config, prefill_attention, supports
+from tests.conftest import HAS_GPU, assert_close, poison_allocator, random_array
+from tests.reference_np import attention_f64
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+gpu = pytest.mark.gpu
+SM90_ONLY = pytest.mark.skipif(
+    HAS_GPU and supports(jax.ShapeDtypeStruct((1, 8, 1, 64), BF16),
+                         jax.ShapeDtypeStruct((1, 8, 1, 64), BF16),
+                         jax.ShapeDtypeStruct((1, 8, 1, 64), BF16)) is not None,
+    reason="the Mosaic prefill needs an sm_90+ GPU")
+
+
+def _qkv(rng, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype):
+  return (random_array(rng, (batch, seq_q, heads, head_dim), dtype),
+          random_array(rng, (batch, seq_kv, kv_heads, head_dim), dtype),
+          random_array(rng, (batch, seq_kv, kv_heads, head_dim), dtype))
+
+
+def _run(q, k, v, q_lengths=None, kv_lengths=None, **kwargs):
+  poison_allocator(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+  out, lse = prefill_attention(q, k, v, q_lengths, kv_lengths, return_residual=True, **kwargs)
+  chex.assert_shape(out, q.shape)
+  chex.assert_type(out, q.dtype)
+  chex.assert_shape(lse, q.shape[:3])
+  chex.assert_type(lse, jnp.float32)
+  return out, lse
+
+
+def _check(out, lse, q, k, v, *, is_causal, q_lengths=None, kv_lengths=None, scale=None):
+  ref_out, ref_lse = attention_f64(q, k, v, scale=scale, is_causal=is_causal,
+                                   q_lengths=q_lengths, kv_lengths=kv_lengths)
+  assert_close(out, ref_out, q.dtype)
+  assert_close(lse, ref_lse, F16, what="lse")  # float32 scores: tighter than a bf16 output
+
+
+# (batch, T, S, N, K, head_dim, dtype, causal, config): odd lengths, T < S and T > S, GQA
+# groups 1, 2, 3, 5, 6, 7, 8, every head dim (64, 128, 192, 256) and both dtypes.
+SMALL = MosaicPrefillConfig(64, 64, 2)
+NAMED = MosaicPrefillConfig(64, 128, 2, named_schedule=True)
+CASES = [
+    (1, 1, 1, 1, 1, 64, BF16, True, None),
+    (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
+    (2, 100, 129, 5, 1, 128, F16, True, SMALL),  # T < S: bottom-right diagonal
+    (1, 129, 100, 6, 1, 128, BF16, True, None),  # T > S: the first 29 rows see no key
+    (1, 33, 70, 7, 1, 128, BF16, False, None),
+    (1, 300, 300, 8, 1, 256, F16, False, None),
+    (1, 300, 257, 8, 1, 256, BF16, True, None),
+    (1, 100, 1, 4, 4, 128, BF16, True, None),  # one key: all but the last row are empty
+    (1, 130, 130, 2, 2, 64, F16, False, None),
+    (2, 1, 129, 4, 2, 128, BF16, True, None),  # one query row
+    (1, 256, 512, 6, 3, 128, BF16, True, None),  # whole tiles: only the diagonal is masked
+    (1, 1000, 1000, 12, 2, 128, BF16, True, None),  # many tiles, deep ring
+    (1, 513, 777, 3, 3, 192, F16, True, None),
+    (1, 640, 640, 4, 1, 64, F16, True, None),
+    (2, 1000, 1100, 12, 2, 128, BF16, True, NAMED),  # the named-barrier ping-pong
+    (1, 333, 333, 4, 2, 256, F16, False, dataclasses.replace(NAMED, block_kv=64)),
+]
+
+
+def _case_id(case):
+  b, t, s, n, k, h, dtype, causal, config = case
+  return (f"b{b}-t{t}-s{s}-n{n}-k{k}-h{h}-{jnp.dtype(dtype).name}-{'causal' if causal else 'full'}"
+          f"-{'default' if config is None else 'named' if config.named_schedule else 'small'}")
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_reference(case, rng):
+  batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, causal, config = case
+  q, k, v = _qkv(rng, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
+  out, lse = _run(q, k, v, is_causal=causal, config=config)
+  _check(out, lse, q, k, v, is_causal=causal)
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ragged_lengths_ignore_padding(causal, rng):
+  # Sequences: full; short queries over a long cache; zero keys; zero queries; more queries
+  # than keys (causal: the first rows see nothing); kv shorter than S with T < S.
+  q_lengths = np.array([145, 7, 130, 0, 145, 20], np.int32)
+  kv_lengths = np.array([261, 261, 0, 150, 13, 133], np.int32)
+  q, k, v = _qkv(rng, 6, 145, 261, 4, 2, 128, BF16)
+  rows, keys = np.arange(145), np.arange(261)
+  pad_q = (rows[None, :] >= q_lengths[:, None])[:, :, None, None]
+  pad_kv = (keys[None, :] >= kv_lengths[:, None])[:, :, None, None]
+  # Padding holds garbage (NaN and inf): none of it may reach the output.
+  dirty_q = jnp.where(pad_q, jnp.nan, q)
+  dirty_k = jnp.where(pad_kv, jnp.inf, k)
+  dirty_v = jnp.where(pad_kv, jnp.nan, v)
+  out, lse = _run(dirty_q, dirty_k, dirty_v, jnp.asarray(q_lengths), jnp.asarray(kv_lengths),
+                  is_causal=causal)
+  _check(out, lse, q, k, v, is_causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+  out = np.asarray(out.astype(F32))
+  assert (out[np.broadcast_to(pad_q, out.shape)] == 0).all(), "padded query rows must be zeros"
+  assert (out[2] == 0).all() and np.isneginf(np.asarray(lse)[2]).all(), "zero keys: zeros, LSE -inf"
+
+
+@gpu
+@SM90_ONLY
+def test_lengths_are_data_not_shapes(rng):
+  """Changing the lengths reuses the compiled kernel: its loop bounds are computed in-kernel."""
+  q, k, v = _qkv(rng, 2, 200, 300, 2, 1, 64, F16)
+  run = lambda ql, kl: prefill_attention(q, k, v, jnp.asarray(ql, jnp.int32), jnp.asarray(kl, jnp.int32),
+                                         is_causal=True, return_residual=True)
+  run([200, 3], [300, 17])
+  compiled = prefill_attention._cache_size()
+  for ql, kl in [([5, 200], [0, 300]), ([200, 200], [200, 9])]:
+    out, lse = run(ql, kl)
+    _check(out, lse, q, k, v, is_causal=True, q_lengths=np.array(ql), kv_lengths=np.array(kl))
+  assert prefill_attention._cache_size() == compiled
+
+
+@gpu
+@SM90_ONLY
+def test_scale_residual_off_and_configs(rng):
+  q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
+  out = prefill_attention(q, k, v, scale=0.3, is_causal=True)
+  assert isinstance(out, jax.Array)
+  ref, _ = attention_f64(q, k, v, scale=0.3, is_causal=True)
+  assert_close(out, ref, BF16)
+  for config in (MosaicPrefillConfig(64, 64, 1), MosaicPrefillConfig(64, 128, 2),
+                 MosaicPrefillConfig(64, 64, 4), MosaicPrefillConfig(64, 192, 2),
+                 MosaicPrefillConfig(64, 128, 2, auto_barriers=True), NAMED):
+    out, lse = _run(q, k, v, is_causal=True, config=config)
+    _check(out, lse, q, k, v, is_causal=True)
+
+
+@gpu
+@SM90_ONLY
+def test_matches_the_triton_prefill(rng):
+  """The Qwen-like benchmark shape (12 / 2 heads): the same function as the Triton kernel."""
+  q, k, v = _qkv(rng, 1, 2048, 2048, 12, 2, 128, BF16)
+  out, lse = prefill_attention(q, k, v, is_causal=True, return_residual=True)
+  ref_out, ref_lse = jaxflash.prefill_attention(q, k, v, is_causal=True, return_residual=True)
+  assert_close(out, np.asarray(ref_out.astype(F32)), BF16)
+  assert_close(lse, np.asarray(ref_lse), F16, what="lse")
+
+
+@gpu
+@SM90_ONLY
+def test_no_n_by_n_buffer():
+  n = 8192
+  q = jax.ShapeDtypeStruct((1, n, 12, 128), BF16)
+  kv = jax.ShapeDtypeStruct((1, n, 2, 128), BF16)
+  compiled = prefill_attention.lower(q, kv, kv, is_causal=True, return_residual=True).compile()
+  stats = compiled.memory_analysis()
+  assert stats is not None
+  assert stats.temp_size_in_bytes < n * n, stats.temp_size_in_bytes  # an [n, n] bf16 buffer is 2 n^2
+
+
+# --------------------------------------------------------------------- no GPU needed
+
+def _shapes(dtype=BF16, head_dim=128, heads=12, kv_heads=2, n=64):
+  return (jax.ShapeDtypeStruct((1, n, heads, head_dim), dtype),
+          jax.ShapeDtypeStruct((1, n, kv_heads, head_dim), dtype),
+          jax.ShapeDtypeStruct((1, n, kv_heads, head_dim), dtype))
+
+
+def test_guarded_import():
+  assert _mosaic.AVAILABLE == (_mosaic.IMPORT_ERROR is None)
+  assert hasattr(mosaic, "prefill_attention") and hasattr(mosaic, "supports")
+
+
+@pytest.mark.parametrize("info", [H200, DeviceInfo("NVIDIA B200", (10, 0), 148, 227 * 1024)],
+                         ids=["h200", "b200"])
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (BF16, 128), (F16, 256), (F16, 192)])
+def test_supports_hopper_shapes(info, dtype, head_dim):
+  if not _mosaic.AVAILABLE:
+    pytest.skip(f"no Mosaic GPU in this JAX: {_mosaic.IMPORT_ERROR}")
+  assert supports(*_shapes(dtype, head_dim), info=info) is None
+  assert supports(*_shapes(dtype, head_dim), is_causal=True, scale=0.1,
+                  causal_alignment="bottom_right", info=info) is None
+
+
+@pytest.mark.parametrize("info,match", [(A100, "sm_80"), (RTX_3090, "sm_86"), (RTX_4060_LAPTOP, "sm_89")])
+def test_older_gpus_are_refused(info, match):
+  reason = supports(*_shapes(), info=info)
+  assert reason is not None and (match in reason or not _mosaic.AVAILABLE)
+
+
+@pytest.mark.parametrize("shapes,options,match", [
+    (_shapes(F32), {}, "float32"),
+    (_shapes(BF16, 80), {}, "head_dim=80"),
+    (_shapes(BF16, 96), {}, "head_dim=96"),
+    (_shapes(BF16, 32), {}, "head_dim=32"),
+    (_shapes(BF16, 512), {}, "head_dim=512"),
+    ((_shapes(F16)[0], *_shapes(BF16)[1:]), {}, "one dtype"),
+    (_shapes(), {"mask": jax.ShapeDtypeStruct((1, 1, 64, 64), jnp.bool_)}, "mask"),
+    (_shapes(), {"bias": jax.ShapeDtypeStruct((1, 1, 64, 64), F32)}, "bias"),
+    (_shapes(), {"local_window_size": (8, 0)}, "local_window_size"),
+    (_shapes(), {"logits_soft_cap": 30.0}, "logits_soft_cap"),
+    (_shapes(), {"sinks": jax.ShapeDtypeStruct((12,), F32)}, "sinks"),
+    (_shapes(), {"causal_alignment": "top_left"}, "causal_alignment"),
+])
+def test_unsupported_calls_give_a_reason(shapes, options, match):
+  if not _mosaic.AVAILABLE:
+    pytest.skip(f"no Mosaic GPU in this JAX: {_mosaic.IMPORT_ERROR}")
+  reason = supports(*shapes, info=H200, **options)
+  assert reason is not None and match in reason, reason
+
+
+def test_supports_without_a_gpu_says_so():
+  if HAS_GPU:
+    pytest.skip("a GPU is present")
+  reason = supports(*_shapes())
+  assert reason is not None and ("GPU" in reason)
+
+
+def test_configs_fit_and_are_tuned_per_head_dim():
+  for head_dim in (64, 128, 192, 256):
+    for dtype in (BF16, F16):
+      config = mosaic_prefill_config(head_dim, dtype, H200)
+      assert config.smem_bytes(head_dim, 2) <= H200.smem_per_block
+      assert config.block_q % 64 == 0 and config.block_kv % 64 == 0
+  small = DeviceInfo("small", (9, 0), 132, 99 * 1024)
+  assert mosaic_prefill_config(128, BF16, small).smem_bytes(128, 2) <= small.smem_per_block
+
+
+def test_off_the_gpu_it_raises_not_implemented():
+  if HAS_GPU:
+    pytest.skip("a GPU is present")
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(n=8))
+  with pytest.raises(NotImplementedError, match="interpret"):
+    prefill_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("config,error,match", [
+    (MosaicPrefillConfig(64, 128, 8), ValueError, "shared memory"),
+    (MosaicPrefillConfig(48, 64, 2), ValueError, "multiples of 64"),
+    (MosaicPrefillConfig(64, 64, 0), ValueError, "num_stages"),
+    (jaxflash.PrefillConfig(64, 64), TypeError, "MosaicPrefillConfig"),
+])
+def test_bad_configs_are_refused(config, error, match):
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(n=8))
+  with pytest.raises(error, match=match):
+    prefill_attention(q, k, v, config=config)
+
+
+@pytest.mark.parametrize("shapes,error,match", [
+    (_shapes(F32, n=8), TypeError, "query must be bfloat16 or float16"),
+    (_shapes(BF16, 80, n=8), ValueError, r"multiples of 64.*\(1, 8, 12, 80\)"),
+    (_shapes(heads=12, kv_heads=5, n=8), ValueError, r"multiple of key heads \(5\)"),
+])
+def test_bad_inputs_name_the_argument(shapes, error, match):
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in shapes)
+  with pytest.raises(error, match=match):
+    prefill_attention(q, k, v)
+
+
+@pytest.mark.parametrize("config", [None, NAMED], ids=["default", "named"])
+def test_kernel_traces_on_this_jax(config, monkeypatch):
+  """Off the GPU the kernel cannot run, but its body can be traced: this catches Mosaic GPU
+  API drift (CI's JAX 0.10.2 against the GPU's 0.11) before a GPU run does."""
+  if HAS_GPU or not _mosaic.AVAILABLE:
+    pytest.skip("traced through a compiled run on a GPU; needs Mosaic GPU")
+  monkeypatch.setattr(_mosaic, "interpret_params", lambda interpret: None)
+  q = jax.ShapeDtypeStruct((2, 300, 6, 128), BF16)
+  kv = jax.ShapeDtypeStruct((2, 333, 2, 128), BF16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  run = lambda q, k, v, ql, kl: prefill_attention(q, k, v, ql, kl, is_causal=True,
+                                                  return_residual=True, config=config)
+  out, lse = jax.eval_shape(run, q, kv, kv, lengths, lengths)
+  assert out.shape == q.shape and lse.shape == q.shape[:3]
