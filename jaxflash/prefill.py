@@ -34,6 +34,7 @@ from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load, loa
 from jaxflash.configs import PrefillConfig
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import ScoreMods, key_blocks, soft_cap, window_size
+from jaxflash.sharding import manual_axes, result_struct
 
 MIN_BLOCK = 16  # tl.dot needs tiles of at least 16 x 16
 APPROX_EXP2 = True  # compiled kernels use ex2.approx (see jaxflash._triton.exp2)
@@ -289,6 +290,17 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
     lse = jnp.broadcast_to(lse, query.shape[:3])
     return (out, lse) if return_residual else out
 
+  if use_interpret(interpret) and manual_axes():
+    # Inside jax.shard_map with check_vma on, JAX's Pallas interpreter (jax 0.10) pads refs
+    # with constants that vary over no mesh axis and the check refuses them ("Primitive pad
+    # requires varying manual axes to match"). Interpreted there, the plain-JAX reference
+    # stands in; compiled kernels run as everywhere else.
+    out, lse = attention_reference(
+        query, key, value, bias, mask, scale=scale, is_causal=mods.is_causal,
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, local_window_size=mods.window,
+        logits_soft_cap=mods.logits_soft_cap, sinks=sinks, causal_alignment=mods.causal_alignment)
+    return (out, lse) if return_residual else out
+
   block_q = _block_size(config.block_q, seq_q)
   block_k = _block_size(config.block_k, seq_kv)
   head_dim_padded = configs.padded_head_dim(head_dim)
@@ -336,10 +348,11 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
     o_ref, *lse_ref = refs[len(names):]
     kernel(*(given.get(name) for name in operands), o_ref, lse_ref[0] if lse_ref else None)
 
-  out_shape = [jax.ShapeDtypeStruct(query.shape, query.dtype)]
+  inputs = [operands[name][0] for name in names]
+  out_shape = [result_struct(query.shape, query.dtype, *inputs)]
   out_specs = [pl.BlockSpec((None, block_q, None, head_dim_padded), q_block_index)]
   if return_residual:
-    out_shape.append(jax.ShapeDtypeStruct((batch, seq_q, num_heads), jnp.float32))
+    out_shape.append(result_struct((batch, seq_q, num_heads), jnp.float32, *inputs))
     out_specs.append(pl.BlockSpec((None, block_q, None), lambda n, i, b: (b, num_q_blocks - 1 - i, n)))
 
   # Work: the key blocks the loop bounds visit at full lengths (O(n w) with a window).
@@ -350,7 +363,7 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
       bytes_accessed=int(2 * query.size * query.dtype.itemsize
                          + 2 * key.size * key.dtype.itemsize + optional_bytes))
   with quiet():
-    results = pl.pallas_call(
+    call = pl.pallas_call(
         kernel_with_optional_refs,
         grid=grid,
         in_specs=[operands[name][1] for name in names],
@@ -360,7 +373,8 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
         cost_estimate=cost,
         interpret=use_interpret(interpret),
         name="jaxflash_prefill",
-    )(*(operands[name][0] for name in names))
+    )
+    results = call(*inputs)
   return tuple(results) if return_residual else results[0]
 
 
