@@ -63,6 +63,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   static_scale = None
   if implementation == "cudnn" or (implementation == "triton" and decode_like):
     static_scale = _concrete_scale(scale, query.shape[-1])
+  if scale is not None:
+    scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
   return _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
                     block_table, sinks, mods=mods, static_scale=static_scale,
                     return_residual=bool(return_residual), implementation=implementation)
