@@ -158,19 +158,21 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
   elif (static_scale is not None and _decode_semantics(query, q_lengths, mods)
         and not (sharding.manual_axes() and use_interpret())):
     # (Interpreted inside jax.shard_map, the prefill path's stand-in serves: see prefill.py.)
-    # Only options given reach the decode kernels (each is a keyword they take).
+    # Only the options given reach the decode kernels (each a keyword they take): the
+    # arrays as operands, the static ones bound here.
     given = {name: x for name, x in options.items() if x is not None}
+    static = dict(scale=static_scale, return_residual=True)
     if mods.window is not None:
-      given["local_window_size"] = mods.window
+      static["local_window_size"] = mods.window
     if mods.logits_soft_cap is not None:
-      given["logits_soft_cap"] = mods.logits_soft_cap
+      static["logits_soft_cap"] = mods.logits_soft_cap
     if paged:
       from jaxflash.paged import paged_decode_attention
-      kernel = functools.partial(paged_decode_attention, scale=static_scale, return_residual=True)
+      kernel = functools.partial(paged_decode_attention, **static)
       result = sharding.paged(kernel, query, key, value, kv_lengths, block_table, **given)
     else:
       from jaxflash.decode import decode_attention
-      kernel = functools.partial(decode_attention, scale=static_scale, return_residual=True)
+      kernel = functools.partial(decode_attention, **static)
       result = sharding.decode(kernel, query, key, value, kv_lengths, **given)
   else:
     if paged:

@@ -33,7 +33,8 @@ def _qkv(rng, batch, seq_q, seq_kv, heads=4, kv_heads=2, head_dim=32):
 
 
 def _jax_nn(q, k, v, bias=None, mask=None, **kwargs):
-  return jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla", **kwargs)
+  with jax.default_matmul_precision("highest"):  # float32, not TF32, on a GPU
+    return jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla", **kwargs)
 
 
 def _as_lengths(x):
@@ -284,3 +285,36 @@ def test_bad_options_name_the_argument(options, error, match, implementation, rn
   q, k, v = _qkv(rng, 1, 5, 6)
   with pytest.raises(error, match=match):
     jaxflash.attention(q, k, v, implementation=implementation, **options)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["decode", "paged"])
+def test_decode_route_passes_the_options(paged, monkeypatch, rng):
+  """The decode kernels get the options by OPTIONS.md's keywords (a stand-in kernel records
+  them), whatever this build's decode kernels take."""
+  import jaxflash.decode
+  import jaxflash.paged
+  seen = {}
+
+  def stand_in(query, *arrays, **kwargs):
+    seen.update(kwargs)
+    batch, _, heads, head_dim = query.shape
+    return jnp.zeros(query.shape, query.dtype), jnp.zeros((batch, 1, heads), F32)
+
+  monkeypatch.setattr(jaxflash.paged if paged else jaxflash.decode,
+                      "paged_decode_attention" if paged else "decode_attention", stand_in)
+  q = random_array(rng, (2, 1, 4, 48), F32)  # a head dim no other test uses: a fresh trace
+  lengths = jnp.asarray([16, 5], jnp.int32)
+  if paged:
+    k = random_array(rng, (4, 8, 2, 48), F32)
+    extra = dict(block_table=jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+  else:
+    k = random_array(rng, (2, 16, 2, 48), F32)
+    extra = {}
+  options = dict(bias=jnp.zeros((1, 4, 1, 16)), mask=jnp.ones((2, 1, 1, 16), bool),
+                 sinks=jnp.zeros(4), logits_soft_cap=2.0, local_window_size=3)
+  jaxflash.attention(q, k, k, key_value_seq_lengths=lengths, causal_alignment="bottom_right",
+                     is_causal=True, scale=0.5, **options, **extra)
+  assert seen["scale"] == 0.5 and seen["local_window_size"] == (3, 3)
+  assert seen["logits_soft_cap"] == 2.0 and seen["return_residual"] is True
+  assert seen["bias"].shape == (1, 4, 1, 16) and seen["mask"].shape == (2, 1, 1, 16)
+  assert seen["sinks"].shape == (4,)
