@@ -1,8 +1,8 @@
 """Prefill with options: a sliding window, a mask and a bias; jaxflash against cuDNN (jax.nn).
 
 Shapes as bench/prefill.py (Qwen2.5-1.5B attention: 12 query heads, 2 KV heads, head dim 128,
-bf16, batch 1), causal. Every contender of a row runs in one profiler session, timed on device
-time (bench/common.py).
+bf16, batch 1), causal. Every contender of a row runs under one profiler trace, timed on device
+time (bench/timing.py).
 
 - Windowed causal prefill at n = 32768, w = 4096 and 1024 (`local_window_size=(w, 0)`):
   jaxflash with the window, cuDNN through jax.nn with the same window, and jaxflash without
@@ -22,8 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bench import common
-from bench.common import log
+from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.report import format_value, markdown_table, write_results
+from bench.timing import device_times_us, free_memory, try_call
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -74,7 +75,7 @@ def alibi_bias(n: int, heads: int):
 
 
 def _timed_row(row: dict, cases: dict, pairs: dict) -> dict:
-  timings = common.device_times_us(cases, log=log)
+  timings = device_times_us(cases, log=log)
   for impl, t in timings.items():
     if isinstance(t, dict):
       row["errors"][impl] = t["error"]
@@ -86,14 +87,14 @@ def _timed_row(row: dict, cases: dict, pairs: dict) -> dict:
   return row
 
 
-def window_row(n: int, w: int, budget) -> dict:
+def window_row(n: int, w: int, time_limit) -> dict:
   row = {"case": f"window ({w}, 0)", "n": n, "w": w, "errors": {}}
   q, k, v = make_inputs(n)
   cases = {"jaxflash": (jaxflash_fn(local_window_size=(w, 0)), (q, k, v)),
            "cudnn": (cudnn_fn(local_window_size=(w, 0)), (q, k, v)),
            "jaxflash_no_window": (jaxflash_fn(), (q, k, v))}
-  if budget.exhausted():
-    return {**row, "errors": {i: "skipped: time budget" for i in cases}}
+  if time_limit.exhausted():
+    return {**row, "errors": {i: "skipped: time limit" for i in cases}}
   pairs = {"jaxflash": window_pairs(n, w), "cudnn": window_pairs(n, w),
            "jaxflash_no_window": window_pairs(n, None)}
   row = _timed_row(row, cases, pairs)
@@ -102,23 +103,23 @@ def window_row(n: int, w: int, budget) -> dict:
   row["jf_over_cudnn"] = jf / cu if jf and cu else None  # issue 22: >= 1.0
   row["speedup_over_no_window"] = (row["jaxflash_no_window_us"] / row["jaxflash_us"]
                                    if jf and full else None)
-  common.free_memory()
+  free_memory()
   return row
 
 
-def option_row(n: int, name: str, bias, mask, budget) -> dict:
+def option_row(n: int, name: str, bias, mask, time_limit) -> dict:
   row = {"case": name, "n": n, "w": None, "errors": {}}
   q, k, v = make_inputs(n)
   arrays = (q, k, v, bias, mask)
   cases = {"jaxflash": (jaxflash_fn(), arrays), "cudnn": (cudnn_fn(), arrays),
            "jaxflash_no_window": (jaxflash_fn(), (q, k, v))}
-  if budget.exhausted():
-    return {**row, "errors": {i: "skipped: time budget" for i in cases}}
+  if time_limit.exhausted():
+    return {**row, "errors": {i: "skipped: time limit" for i in cases}}
   pairs = {impl: window_pairs(n, None) for impl in cases}
   row = _timed_row(row, cases, pairs)
   jf, cu = row.get("jaxflash_tflops"), row.get("cudnn_tflops")
   row["jf_over_cudnn"] = jf / cu if jf and cu else None
-  common.free_memory()
+  free_memory()
   return row
 
 
@@ -134,7 +135,7 @@ def accuracy(n: int, w: int) -> dict:
   for name, opts in options.items():
     got = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True, **opts))(q, k, v)
     ref_opts = {key: (x.astype(jnp.float32) if key == "bias" else x) for key, x in opts.items()}
-    with common.highest_precision():
+    with jax.default_matmul_precision("highest"):
       want = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=True, implementation="xla", **ref_opts))(*f32)
     errors[name] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
@@ -150,10 +151,10 @@ def columns():
 
 
 def main(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)",
-                             budget_s=420.0, quick="one window size")
+  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)",
+                             time_limit_s=420.0, quick="one window size")
   args = p.parse_args(argv)
-  budget = common.Budget(args.budget_s)
+  time_limit = TimeLimit(args.time_limit_s)
   if args.smoke:
     window_n, windows, option_n, doc, acc_n = 256, (64, 32), 128, 32, 64
     ceiling_args = dict(matmul_n=256, hbm_gib=1 / 64)
@@ -161,7 +162,7 @@ def main(argv=None):
     window_n, windows, option_n, doc, acc_n = 32768, (4096, 1024), 8192, 1024, 2048
     windows = windows[:1] if args.quick else windows
     ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
-  meta, out_dir = common.begin_run("windowed", args, **ceiling_args)
+  meta, out_dir = begin_run("windowed", args, **ceiling_args)
   meta.update(
       title="Prefill with a sliding window, a mask or a bias: TFLOP/s of in-window work",
       shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
@@ -174,9 +175,9 @@ def main(argv=None):
       ("mask", "document mask [1, 1, n, n]"), ("alibi", "ALiBi bias [1, N, n, n]"),
       ("bias", "bias [1, 1, n, n]")]
   for kind, what in cells:
-    log(f"[{budget.elapsed():6.1f}s] {kind} {what}")
+    log(f"[{time_limit.elapsed():6.1f}s] {kind} {what}")
     if kind == "window":
-      row, err = common.try_call(window_row, window_n, what, budget)
+      row, err = try_call(window_row, window_n, what, time_limit)
     else:
       n = option_n
       bias = mask = None
@@ -186,7 +187,7 @@ def main(argv=None):
         bias = alibi_bias(n, NUM_HEADS)
       else:
         bias = alibi_bias(n, 1)
-      row, err = common.try_call(option_row, n, what, bias, mask, budget)
+      row, err = try_call(option_row, n, what, bias, mask, time_limit)
       del bias, mask
     if err:
       notes.append(f"{kind} {what}: row failed: {err[:300]}")
@@ -195,18 +196,18 @@ def main(argv=None):
     rows.append(row)
     for impl, e in row["errors"].items():
       notes.append(f"{row['case']} n={row['n']} {LABELS[impl]}: {e[:300]}")
-    log("  " + ", ".join(f"{i} {common.format_value(row.get(f'{i}_tflops'))}" for i in IMPLS))
-    common.write_results("windowed", rows, meta, columns(), out_dir=out_dir, notes=notes)
+    log("  " + ", ".join(f"{i} {format_value(row.get(f'{i}_tflops'))}" for i in IMPLS))
+    write_results("windowed", rows, meta, columns(), out_dir=out_dir, notes=notes)
 
-  acc, err = common.try_call(accuracy, acc_n, max(acc_n // 8, 1))
+  acc, err = try_call(accuracy, acc_n, max(acc_n // 8, 1))
   meta["accuracy"] = {"n": acc_n, "reference": "jax.nn xla, float32 (precision highest), same bf16 inputs",
                       "max_abs_error": acc if acc else err}
   notes.append(f"max abs error vs jax.nn float32 at n={acc_n}: {acc if acc else err}")
   notes.append("window / no window: jaxflash's in-window TFLOP/s with the window over its causal "
                "TFLOP/s without one (issue 22 asks >= 0.9); jaxflash / cuDNN asks >= 1.0.")
-  paths = common.write_results("windowed", rows, meta, columns(), out_dir=out_dir, notes=notes)
-  log(f"\n[{budget.elapsed():6.1f}s] results in {paths['json'].parent}")
-  log(common.markdown_table(rows, columns()))
+  paths = write_results("windowed", rows, meta, columns(), out_dir=out_dir, notes=notes)
+  log(f"\n[{time_limit.elapsed():6.1f}s] results in {paths['json'].parent}")
+  log(markdown_table(rows, columns()))
 
 
 if __name__ == "__main__":
