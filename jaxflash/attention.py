@@ -55,6 +55,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   no collective (jaxflash.sharding). Inside `jax.shard_map` the kernel runs per device.
   """
   implementation = _check_implementation(implementation)
+  _checks.check_float("query", query)
   mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
                    window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
   # The decode kernels and cuDNN take the scale as a compile-time number; the prefill

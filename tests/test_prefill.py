@@ -417,3 +417,35 @@ def test_bad_options_name_the_argument(options, error, match):
   q, k = _zeros((2, 8, 4, 64), F32), _zeros((2, 8, 2, 64), F32)
   with pytest.raises(error, match=match):
     prefill_attention(q, k, k, **options)
+
+
+@pytest.mark.parametrize("mods", [
+    dict(), dict(is_causal=True), dict(window=(5, 2)), dict(window=(0, 7)),
+    dict(is_causal=True, window=(4, 9)), dict(is_causal=True, causal_alignment="top_left"),
+    dict(window=(3, 3), causal_alignment="top_left")], ids=str)
+def test_loop_bounds_cover_exactly_the_visible_keys(mods):
+  """score_mods' key and query ranges against the visible mask, by brute force: the key
+  blocks a query block visits are those holding a key some row sees (no more, no fewer),
+  and the blocks it runs unmasked hold only keys every row sees; `query_range` (for a pass
+  over queries per key block) gives exactly the rows that see a key of the block."""
+  from jaxflash import score_mods
+  mods = score_mods.ScoreMods(**mods)
+  block = 4
+  for seq_q, seq_kv, q_len, kv_len in [(13, 21, 13, 21), (13, 21, 9, 17), (21, 13, 20, 5)]:
+    shift = int(mods.shift(jnp.int32(q_len), jnp.int32(kv_len)))
+    rows, keys = jnp.arange(seq_q), jnp.arange(seq_kv)
+    seen = np.asarray(score_mods.visible(mods, rows, keys, shift, kv_len)) & (np.arange(seq_q) < q_len)[:, None]
+    for first in range(0, q_len, block):
+      last = min(first + block, q_len) - 1
+      lo, full_lo, full_hi, hi = (int(x) for x in score_mods.key_blocks(
+          mods, jnp.int32(first), jnp.int32(last), shift, jnp.int32(kv_len), block))
+      band = seen[first:last + 1]
+      needed = {j for j in range(-(-seq_kv // block)) if band[:, j * block:(j + 1) * block].any()}
+      assert set(range(lo, hi)) >= needed and (not needed or (lo == min(needed) and hi == max(needed) + 1))
+      for j in range(full_lo, full_hi):
+        assert band[:, j * block:(j + 1) * block].all(), (first, j)
+    for first_key in range(0, kv_len, block):
+      last_key = min(first_key + block, kv_len) - 1
+      lo, hi = (int(x) for x in score_mods.query_range(mods, first_key, last_key, shift, q_len))
+      want = np.flatnonzero(seen[:, first_key:last_key + 1].any(axis=1))
+      assert list(range(lo, hi)) == list(want) or (want.size == 0 and lo >= hi), (first_key, lo, hi, want)
