@@ -1,5 +1,5 @@
 """jaxflash: fast, exact attention for JAX on NVIDIA GPUs (Pallas, Triton lowering)."""
-from jaxflash.attention import attention
+from jaxflash.attention import IMPLEMENTATIONS, attention
 from jaxflash.cache_write import kv_cache_write
 from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_splits, prefill_config
 from jaxflash.decode import SplitKV, decode_attention
@@ -13,7 +13,7 @@ from jaxflash.residual_norm import add_rms_norm
 from jaxflash.split_kv_projection import project_split_kv
 
 __all__ = [
-    "attention", "prefill_attention", "decode_attention", "paged_decode_attention",
+    "attention", "IMPLEMENTATIONS", "prefill_attention", "decode_attention", "paged_decode_attention",
     "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",

@@ -75,5 +75,63 @@ def check_page_size(page_size: int) -> None:
     raise ValueError(f"page size must be a power of two >= 8, got pages of {page_size} tokens")
 
 
-def default_scale(scale, head_dim: int) -> float:
-  return float(head_dim) ** -0.5 if scale is None else float(scale)
+def default_scale(scale, head_dim: int):
+  """The softmax scale: H ** -0.5 by default; a traced scale stays traced."""
+  if scale is None:
+    return float(head_dim) ** -0.5
+  try:
+    return float(scale)
+  except Exception:  # a tracer (jit, grad): kept as an array
+    return jnp.asarray(scale, jnp.float32)
+
+
+def scale_operand(scale, head_dim: int):
+  """scale (None, a number or a scalar array, traced or not) -> float32 [] array."""
+  if scale is not None and hasattr(scale, "shape") and tuple(scale.shape) not in ((), (1,)):
+    raise ValueError(f"scale must be a scalar, got {_describe(scale)}")
+  if scale is not None and hasattr(scale, "dtype") and not (
+      jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+    raise TypeError(f"scale must be a real number, got {_describe(scale)}")
+  scale = float(head_dim) ** -0.5 if scale is None else scale
+  return jnp.asarray(scale, jnp.float32).reshape(())
+
+
+def broadcast_rank4(name: str, x, shape: tuple[int, ...]):
+  """x broadcastable to `shape` (rank 4) -> x as rank 4, each axis 1 or shape's; no copy."""
+  if x.ndim > len(shape) or any(d not in (1, full) for d, full in zip(x.shape[::-1], shape[::-1])):
+    raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {tuple(shape)}, got "
+                     f"{_describe(x)}")
+  return x.reshape((1,) * (len(shape) - x.ndim) + tuple(x.shape))
+
+
+def check_bias(bias, shape: tuple[int, ...]):
+  """bias: float, broadcastable to shape [B, N, T, S]; returned as rank 4 (None stays None)."""
+  if bias is None:
+    return None
+  check_float("bias", bias)
+  return broadcast_rank4("bias", bias, shape)
+
+
+def check_mask(mask, shape: tuple[int, ...]):
+  """mask: bool (True = attend), broadcastable to shape [B, N, T, S]; returned as rank 4."""
+  if mask is None:
+    return None
+  if not hasattr(mask, "dtype"):
+    mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be a boolean array (True = attend), got {_describe(mask)}")
+  return broadcast_rank4("mask", mask, shape)
+
+
+def check_sinks(sinks, num_heads: int):
+  """sinks: float [N], one logit per query head; returned as float32 (None stays None)."""
+  if sinks is None:
+    return None
+  if not hasattr(sinks, "dtype"):
+    sinks = jnp.asarray(sinks, jnp.float32)
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must be a float array of shape ({num_heads},), got {_describe(sinks)}")
+  if tuple(sinks.shape) != (num_heads,):
+    raise ValueError(f"sinks must have shape ({num_heads},) (one logit per query head), got "
+                     f"{_describe(sinks)}")
+  return sinks.astype(jnp.float32)

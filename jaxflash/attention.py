@@ -1,48 +1,113 @@
-"""`jaxflash.attention`: a drop-in for `jax.nn.dot_product_attention` backed by the kernels."""
+"""`jaxflash.attention`: a drop-in for `jax.nn.dot_product_attention` backed by the kernels,
+and the one registry of attention implementations (`IMPLEMENTATIONS`)."""
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jaxflash import _checks, sharding
+from jaxflash._triton import use_interpret
 from jaxflash.reference import attention_reference, gather_pages
+from jaxflash.score_mods import ScoreMods, soft_cap, window_size
 
-IMPLEMENTATIONS = (None, "pallas", "xla")
+# None: the best kernel for the device. "triton": the Pallas-Triton kernels ("pallas", the
+# older name, is an alias). "mosaic": the Pallas Mosaic GPU prefill (sm_90+). "xla":
+# jaxflash's plain-JAX reference (every option). "cudnn": jax.nn.dot_product_attention's
+# cuDNN path (the options jax.nn has).
+IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic", "xla", "cudnn")
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "is_causal", "local_window_size", "return_residual", "implementation"))
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-              block_table=None, return_residual=False, implementation=None):
-  """Scaled dot-product attention with `jax.nn.dot_product_attention`'s arguments.
+              block_table=None, return_residual=False, implementation=None,
+              causal_alignment="top_left", logits_soft_cap=None, sinks=None):
+  """Scaled dot-product attention with `jax.nn.dot_product_attention`'s arguments and values.
 
   Shapes: query [B, T, N, H] (or [T, N, H]); key/value [B, S, K, H] (or [S, K, H]) with
   N a multiple of K (GQA by index: query head n reads KV head n // (N // K)). With
-  `block_table` [B, max_pages], key/value are page pools [num_pages, page_size, K, H] and
-  T must be 1 (paged decode). Returns [B, T, N, H] in the query's dtype, and with
-  `return_residual=True` also the natural-log log-sum-exp [B, T, N] in float32.
+  `block_table` [B, max_pages], key/value are page pools [num_pages, page_size, K, H]
+  (S = max_pages * page_size). Returns [B, T, N, H] in the query's dtype, and with
+  `return_residual=True` also the natural-log log-sum-exp [B, T, N] in float32 (it
+  includes the sink; padded rows -inf).
 
-  Kernel chosen: T == 1 -> split-KV decode (paged decode with `block_table`), otherwise
-  the FlashAttention-2 prefill kernel. Differences from jax.nn: `is_causal` with T < S
-  aligns the diagonal bottom-right (query t sits at key position S_b - T_b + t), as
-  FlashAttention does; rows with no key to attend to give zeros. `bias`, `mask` and
-  `local_window_size` are not supported yet (NotImplementedError).
+  Semantics as jax.nn's (rows it leaves unspecified give zeros here): query t sits at
+  position p = t (`causal_alignment="top_left"`, jax.nn's tril over [T, S]) and the lengths
+  are padding masks; `causal_alignment="bottom_right"` puts sequence b's T_b queries at its
+  last positions, p = t + S_b - T_b (FlashAttention's convention: caches, chunked prefill).
+  `is_causal` keeps keys s <= p; `local_window_size` w or (left, right) keeps
+  p - left <= s <= p + right; mask (bool, True = attend) and bias (added to the scaled
+  scores) broadcast to [B, N, T, S]; scale: a float or a traced scalar (H ** -0.5 by
+  default). Beyond jax.nn: `logits_soft_cap` (cap * tanh(s / cap) after the bias) and
+  `sinks` [N] (a per-head logit in the softmax's denominator only, as gpt-oss).
 
-  implementation: None (the Pallas kernels: compiled on a GPU, interpreted elsewhere),
-  "pallas" (the same), or "xla" (plain-JAX reference path).
+  implementation (`jaxflash.IMPLEMENTATIONS`): None (the best kernel for the device: the
+  Pallas-Triton kernels, compiled on a GPU, interpreted elsewhere), "triton" ("pallas"),
+  "mosaic" (Hopper prefill; ValueError where it cannot serve), "xla" (the plain-JAX
+  reference, every option) or "cudnn" (jax.nn's cuDNN path; NotImplementedError for the
+  options it lacks). Kernel chosen: one query token whose position is its sequence's last
+  (bottom-right, or no causal mask and no window) -> split-KV decode (paged decode with
+  `block_table`), otherwise the FlashAttention-2 prefill kernel.
 
   Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
-  and KV heads K over the same mesh axes); each device runs the kernel on its shard and
-  the results keep the split, with no collective. See `jaxflash.sharding`.
+  and KV heads K over the same mesh axes); each device runs the kernel on its shard, with
+  no collective (jaxflash.sharding). Inside `jax.shard_map` the kernel runs per device.
   """
+  implementation = _check_implementation(implementation)
+  _checks.check_float("query", query)
+  mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
+                   window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
+  # The decode kernels and cuDNN take the scale as a compile-time number; the prefill
+  # kernel and the reference take it as an operand, so a new value never recompiles.
+  decode_like = _decode_semantics(query, query_seq_lengths, mods)
+  static_scale = None
+  if implementation == "cudnn" or (implementation == "triton" and decode_like):
+    static_scale = _concrete_scale(scale, query.shape[-1])
+  if scale is not None:
+    scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
+  return _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
+                    block_table, sinks, mods=mods, static_scale=static_scale,
+                    return_residual=bool(return_residual), implementation=implementation)
+
+
+def _check_implementation(implementation) -> str:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-  for name, given in (("bias", bias), ("mask", mask), ("local_window_size", local_window_size)):
-    if given is not None:
-      raise NotImplementedError(f"jaxflash.attention does not support {name} yet")
+  if implementation is None:
+    return best_implementation()
+  return "triton" if implementation == "pallas" else implementation
+
+
+def best_implementation() -> str:
+  """The implementation `None` stands for on this machine."""
+  return "triton"
+
+
+def _decode_semantics(query, query_seq_lengths, mods: ScoreMods) -> bool:
+  """True when every query is one token at its sequence's last position, as the decode
+  kernels assume. With top-left alignment the one query sits at position 0 instead: a
+  causal mask or a window then differs from decode (jax.nn's tril lets it see key 0 only)."""
+  one_token = query.ndim >= 3 and query.shape[-3] == 1 and query_seq_lengths is None
+  last_position = mods.causal_alignment == "bottom_right" or (not mods.is_causal and mods.window is None)
+  return one_token and last_position
+
+
+def _concrete_scale(scale, head_dim: int) -> float | None:
+  """scale as a Python float, or None when it is traced."""
+  if scale is None:
+    return float(head_dim) ** -0.5
+  try:
+    return float(scale)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("mods", "static_scale", "return_residual",
+                                             "implementation"))
+def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
+               block_table, sinks, *, mods: ScoreMods, static_scale: float | None,
+               return_residual: bool, implementation: str):
   for name, x in (("query", query), ("key", key), ("value", value)):
     _checks.check_float(name, x)
   unbatched = query.ndim == 3
@@ -56,43 +121,110 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
       raise ValueError("sequence lengths need batched inputs [B, T, N, H]")
   _checks.check_qkv(query, key, value)
-  batch, t = query.shape[0], query.shape[1]
-  scale = _checks.default_scale(scale, query.shape[-1])
+  batch, t, num_heads, head_dim = query.shape
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
 
-  if block_table is not None:
+  paged = block_table is not None
+  if paged:
     block_table = _checks.check_block_table(block_table, batch)
     _checks.check_page_size(key.shape[1])
-    if t != 1:
-      raise ValueError(f"block_table (paged KV) serves one query token per sequence; got query "
-                       f"{tuple(query.shape)}")
     if kv_lengths is None:
       raise ValueError("block_table needs key_value_seq_lengths: the valid tokens per sequence")
-    if implementation == "xla":
-      key, value = gather_pages(key, block_table), gather_pages(value, block_table)
-    else:
-      from jaxflash.paged import paged_decode_attention
-      kernel = functools.partial(paged_decode_attention, scale=scale, return_residual=True)
-      result = sharding.paged(kernel, query, key, value, kv_lengths, block_table)
-      return _finish(result, return_residual, unbatched)
+    seq_kv = block_table.shape[1] * key.shape[1]
   else:
     _checks.check_same_batch(query, key)
+    seq_kv = key.shape[1]
+  scores_shape = (batch, num_heads, t, seq_kv)
+  bias = _checks.check_bias(bias, scores_shape)
+  mask = _checks.check_mask(mask, scores_shape)
+  sinks = _checks.check_sinks(sinks, num_heads)
+  _checks.scale_operand(scale, head_dim)  # shape and dtype errors name `scale` on every path
+  options = dict(bias=bias, mask=mask, sinks=sinks)
 
   if implementation == "xla":
-    result = attention_reference(query, key, value, scale=scale, is_causal=is_causal,
-                                 query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths)
-  elif t == 1 and q_lengths is None:
-    # One query token: with a bottom-right diagonal it sees every valid key, causal or not.
-    from jaxflash.decode import decode_attention
-    kernel = functools.partial(decode_attention, scale=scale, return_residual=True)
-    result = sharding.decode(kernel, query, key, value, kv_lengths)
+    if paged:
+      key, value = gather_pages(key, block_table), gather_pages(value, block_table)
+    result = attention_reference(
+        query, key, value, bias, mask, scale=_checks.default_scale(scale, head_dim),
+        is_causal=mods.is_causal, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+        local_window_size=mods.window, logits_soft_cap=mods.logits_soft_cap, sinks=sinks,
+        causal_alignment=mods.causal_alignment)
+  elif implementation == "cudnn":
+    out = _cudnn(query, key, value, q_lengths, kv_lengths, block_table, mods=mods,
+                 scale=static_scale, return_residual=return_residual, **options)
+    return out[0] if unbatched else out
+  elif implementation == "mosaic":
+    result = _mosaic(query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale, **options)
+  elif (static_scale is not None and _decode_semantics(query, q_lengths, mods)
+        and not (sharding.manual_axes() and use_interpret())):
+    # (Interpreted inside jax.shard_map, the prefill path's stand-in serves: see prefill.py.)
+    # Only the options given reach the decode kernels (each a keyword they take): the
+    # arrays as operands, the static ones bound here.
+    given = {name: x for name, x in options.items() if x is not None}
+    static = dict(scale=static_scale, return_residual=True)
+    if mods.window is not None:
+      static["local_window_size"] = mods.window
+    if mods.logits_soft_cap is not None:
+      static["logits_soft_cap"] = mods.logits_soft_cap
+    if paged:
+      from jaxflash.paged import paged_decode_attention
+      kernel = functools.partial(paged_decode_attention, **static)
+      result = sharding.paged(kernel, query, key, value, kv_lengths, block_table, **given)
+    else:
+      from jaxflash.decode import decode_attention
+      kernel = functools.partial(decode_attention, **static)
+      result = sharding.decode(kernel, query, key, value, kv_lengths, **given)
   else:
+    if paged:
+      # A one-token query the decode kernels cannot serve (a top-left position, or a
+      # traced scale): the prefill kernel over the gathered pages.
+      key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     from jaxflash.prefill import prefill_attention
-    kernel = functools.partial(prefill_attention, scale=scale, is_causal=is_causal,
-                               return_residual=True)
-    result = sharding.prefill(kernel, query, key, value, q_lengths, kv_lengths)
+    kernel = functools.partial(
+        prefill_attention, is_causal=mods.is_causal, local_window_size=mods.window,
+        logits_soft_cap=mods.logits_soft_cap, causal_alignment=mods.causal_alignment,
+        return_residual=True)
+    result = sharding.prefill(kernel, query, key, value, q_lengths, kv_lengths,
+                              scale=_checks.scale_operand(scale, head_dim), **options)
   return _finish(result, return_residual, unbatched)
+
+
+def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: ScoreMods, scale: float | None, return_residual: bool, bias, mask, sinks):
+  """jax.nn.dot_product_attention(implementation="cudnn"), for the options jax.nn has."""
+  def unsupported(what):
+    return NotImplementedError(f"implementation='cudnn' (jax.nn.dot_product_attention) does not "
+                               f"support {what}; use implementation=None or 'xla'")
+  if mods.logits_soft_cap is not None:
+    raise unsupported("logits_soft_cap")
+  if sinks is not None:
+    raise unsupported("sinks")
+  if return_residual:
+    raise unsupported("return_residual")
+  if scale is None:
+    raise unsupported("a traced scale (cuDNN takes the scale as a compile-time number)")
+  t, s = query.shape[1], key.shape[1] if block_table is None else block_table.shape[1] * key.shape[1]
+  masks_positions = mods.is_causal or mods.window is not None
+  if (mods.causal_alignment == "bottom_right" and masks_positions
+      and (t != s or q_lengths is not None or kv_lengths is not None)):
+    # Bottom-right and top-left agree only when every sequence has T == S.
+    raise unsupported("causal_alignment='bottom_right' with T != S or sequence lengths "
+                      "(jax.nn aligns is_causal and local_window_size top-left)")
+  if block_table is not None:
+    key, value = gather_pages(key, block_table), gather_pages(value, block_table)
+  return jax.nn.dot_product_attention(
+      query, key, value, bias, mask, scale=scale, is_causal=mods.is_causal,
+      query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+      local_window_size=mods.window, implementation="cudnn")
+
+
+def _mosaic(query, key, value, q_lengths, kv_lengths, *, mods: ScoreMods, scale, bias, mask,
+            sinks):
+  """The Pallas Mosaic GPU prefill (Hopper, sm_90+): raises where it cannot serve."""
+  del query, key, value, q_lengths, kv_lengths, mods, scale, bias, mask, sinks
+  raise ValueError("implementation='mosaic' is not available: needs the Pallas Mosaic GPU "
+                   "prefill kernel (a Hopper GPU, sm_90+), which this build of jaxflash does "
+                   "not include; use implementation=None or 'triton'")
 
 
 def _finish(result, return_residual: bool, unbatched: bool):

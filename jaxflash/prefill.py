@@ -5,12 +5,17 @@ section 3.2: parallelism over query blocks). It loads its Q tile once, streams K
 tiles past it and keeps the online softmax's running max, sum and output in float32
 registers; the output is divided by the running sum once, after the loop (section 3.1.1).
 
-Causal attention is a loop bound, not a mask (the article, "The causal mask as a loop
-bound"): the key blocks every row of the query block may see run first with masking
-compiled out, then the few blocks that straddle the diagonal (or the end of the keys)
-run with masking on, and the blocks past the diagonal are never loaded. The bounds are
-computed inside the kernel from the per-sequence lengths, so lengths are data: changing
-them never recompiles.
+Causal attention and sliding windows are loop bounds, not masks (Writing an Attention
+Kernel: FlashAttention and Decode in Triton, "The causal mask as a loop bound"): each
+program computes, from the per-sequence lengths, the band of key blocks its rows may see;
+the blocks every row sees whole run with masking compiled out, the few that straddle the
+diagonal, a window edge or the end of the keys run masked, and the rest are never loaded,
+so a window w costs O(n w), not O(n^2). Lengths are data: changing them never recompiles.
+
+Options (jaxflash/score_mods.py, written once for the forward and backward kernels): bias
+and mask tiles are read beside each K tile from operands that keep their broadcast axes
+(stride 0), a logit soft-cap and per-head sink logits change the scores and the softmax's
+start, and the scale is an operand, so a new value never recompiles.
 
 Layout everywhere: query [B, T, N, H], key/value [B, S, K, H], N a multiple of K. Query
 head n reads KV head n // (N // K) by index; K and V are never repeated.
@@ -23,27 +28,55 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxflash import _checks, configs
-from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load_masked, mask2d, pl, quiet,
-                              store, use_interpret)
+from jaxflash import _checks, configs, score_mods
+from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load, load_masked, mask2d, pl,
+                              quiet, store, use_interpret)
 from jaxflash.configs import PrefillConfig
 from jaxflash.reference import attention_reference
+from jaxflash.score_mods import ScoreMods, key_blocks, soft_cap, window_size
+from jaxflash.sharding import manual_axes, result_struct
 
 MIN_BLOCK = 16  # tl.dot needs tiles of at least 16 x 16
 APPROX_EXP2 = True  # compiled kernels use ex2.approx (see jaxflash._triton.exp2)
 
 
+def _load_tile(ref, layout: tuple[bool, bool], kv_start, block_k: int, row_ok, key_ok):
+  """This step's tile of a bias or mask operand, broadcastable to [block_q, block_k].
+
+  layout: (rows, keys), whether the operand varies along T and S; an axis it is broadcast
+  along was squeezed out of its block (stride 0), so `ref` is [block_q, seq_kv], [block_q],
+  [seq_kv] or []. row_ok [block_q], key_ok [block_k]: loads to make (None: all).
+  """
+  rows, keys = layout
+  other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.
+  if rows and keys:
+    mask = mask2d(row_ok, key_ok, (ref.shape[0], block_k))
+    tile = ref.at[:, pl.ds(kv_start, block_k)]
+    return load(tile) if mask is None else load(tile, mask=mask, other=other)
+  if rows:
+    return (load(ref) if row_ok is None else load(ref, mask=row_ok, other=other))[:, None]
+  if keys:
+    tile = ref.at[pl.ds(kv_start, block_k)]
+    return (load(tile) if key_ok is None else load(tile, mask=key_ok, other=other))[None, :]
+  return ref[...]
+
+
 def _prefill_kernel(
     q_lengths_ref,  # [] int32: this sequence's query count (None: all T rows are queries)
     kv_lengths_ref,  # [] int32: this sequence's key count (None: all S keys are valid)
+    scale_ref,  # [] float32: the factor of q.k (score_mods.score_scale)
+    sinks_ref,  # [] float32: this query head's sink logit, natural units (None: no sink)
+    bias_ref,  # [block_q, seq_kv] of bias[b, n] or, along broadcast axes, less (None: no bias)
+    mask_ref,  # the same for the mask, int8, nonzero = attend (None: no mask)
     q_ref,  # [block_q, head_dim_padded]: rows of query head n of sequence b
     k_ref,  # [seq_kv, head_dim_padded]: all keys of KV head n // group of sequence b
     v_ref,  # [seq_kv, head_dim_padded]
     o_ref,  # [block_q, head_dim_padded]
     lse_ref,  # [block_q] float32 natural-log log-sum-exp (None: not requested)
     *,
-    qk_scale: float,
-    is_causal: bool,
+    mods: ScoreMods,
+    bias_layout: tuple[bool, bool],
+    mask_layout: tuple[bool, bool],
     block_q: int,
     block_k: int,
     head_dim: int,
@@ -55,19 +88,21 @@ def _prefill_kernel(
   head_dim_padded = q_ref.shape[-1]
   # The grid walks query blocks backwards: with a causal mask the last block has the
   # most keys to visit, so the longest programs start first and the short ones fill
-  # the gaps at the end (the article: +2-4%).
+  # the gaps at the end (Writing an Attention Kernel: FlashAttention and Decode in
+  # Triton: +2-4%).
   q_start = (num_q_blocks - 1 - pl.program_id(1)) * block_q
 
-  # Per-sequence lengths. Query t of this sequence sits at key position t + shift
-  # (bottom-right causal alignment, as FlashAttention), shift = kv_len - q_len.
+  # Per-sequence lengths. Query t sits at key position t + shift (score_mods).
   q_len = jnp.int32(seq_q) if q_lengths_ref is None else q_lengths_ref[...]
   kv_len = jnp.int32(seq_kv) if kv_lengths_ref is None else kv_lengths_ref[...]
-  shift = kv_len - q_len
+  shift = mods.shift(q_len, kv_len)
   q_valid = jnp.clip(q_len, 0, seq_q)
   kv_valid = jnp.clip(kv_len, 0, seq_kv)
+  qk_scale = scale_ref[...]
 
   rows = q_start + jnp.arange(block_q)  # [block_q] query positions
   row_valid = rows < q_valid
+  in_rows = None if seq_q % block_q == 0 else rows < seq_q  # bias/mask rows to load
   # Head dims 80 and 96 run on a 128-wide tile; the padding columns load as zeros so
   # they add nothing to q.k, and they are never stored.
   col_mask = None if head_dim == head_dim_padded else jnp.arange(head_dim_padded) < head_dim
@@ -78,41 +113,38 @@ def _prefill_kernel(
   q = load_masked(q_ref, mask2d(row_valid, col_mask, (block_q, head_dim_padded)))
   q = q.astype(compute_dtype)
 
-  # Loop bounds, in key blocks. `kv_end`: one past the last key any valid row of this
-  # block may see. `full_end`: keys that *every* row of the block may see (the first
-  # row has the fewest under the causal mask); blocks below it need no mask at all.
+  # Loop bounds, in key blocks (score_mods.key_blocks): the causal diagonal and the
+  # window's edges are loop bounds, not masks (Writing an Attention Kernel: "The causal
+  # mask as a loop bound"). Blocks [lo, full_lo) and [full_hi, hi) straddle an edge and
+  # run masked; the blocks between are seen whole by every row; the rest are never loaded.
   rows_end = jnp.minimum(q_start + block_q, q_valid)
-  if is_causal:
-    kv_end = jnp.minimum(kv_valid, rows_end + shift)
-    full_end = jnp.minimum(kv_valid, q_start + shift + 1)
-  else:
-    kv_end = kv_valid
-    full_end = kv_valid
-  kv_end = jnp.where(rows_end > q_start, jnp.maximum(kv_end, 0), 0)  # no valid row: no work
-  num_blocks = lax.div(kv_end + (block_k - 1), block_k)
-  num_unmasked = jnp.minimum(lax.div(jnp.maximum(full_end, 0), block_k), num_blocks)
+  bounds = key_blocks(mods, q_start, rows_end - 1, shift, kv_valid, block_k)
+  lo, full_lo, full_hi, hi = (jnp.where(rows_end > q_start, x, 0) for x in bounds)  # no row: no work
 
-  def attend(j, carry, *, masked: bool):
+  def attend(j, carry, *, edge: bool):
     acc, m_i, l_i = carry  # [block_q, head_dim_padded], [block_q], [block_q] float32
     kv_start = pl.multiple_of(j * block_k, block_k)
     keys = kv_start + jnp.arange(block_k)  # [block_k] key positions
-    # Masked blocks may reach past the valid keys (a cache's unwritten tail, or past S):
+    # Edge blocks may reach past the valid keys (a cache's unwritten tail, or past S):
     # those rows load as zeros, so garbage there can never reach the output as 0 * NaN.
-    kv_mask = mask2d(keys < kv_valid if masked else None, col_mask, (block_k, head_dim_padded))
+    key_ok = keys < kv_valid if edge else None
+    kv_mask = mask2d(key_ok, col_mask, (block_k, head_dim_padded))
     k = load_masked(k_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
-    # Scores in float32, scaled by log2(e) * scale so the exponentials are exp2 (the
-    # article; scaling the float32 scores, not a bf16 Q, keeps the error down).
-    s = dot(q, k.astype(compute_dtype), trans_b=True, **dot_kwargs) * qk_scale
-    if masked:
-      if is_causal:
-        # One compare per score: key <= min(row + shift, kv_valid - 1).
-        last_key = jnp.minimum(rows + shift, kv_valid - 1)  # [block_q]
-        visible = keys[None, :] <= last_key[:, None]
-      else:
-        visible = jnp.broadcast_to((keys < kv_valid)[None, :], (block_q, block_k))
-      s = jnp.where(visible, s, -jnp.inf)
+    qk = dot(q, k.astype(compute_dtype), trans_b=True, **dot_kwargs)
+    # Scores in float32 and base 2 (scaled by log2 e) so the exponentials are exp2;
+    # scaling the float32 scores, not a bf16 Q, keeps the error down.
+    bias = None
+    if bias_ref is not None:
+      bias = _load_tile(bias_ref, bias_layout, kv_start, block_k, in_rows, key_ok).astype(jnp.float32)
+    s = score_mods.scores(mods, qk, qk_scale, bias)  # [block_q, block_k]
+    ok = score_mods.visible(mods, rows, keys, shift, kv_valid) if edge else None
+    if mask_ref is not None:
+      allowed = _load_tile(mask_ref, mask_layout, kv_start, block_k, in_rows, key_ok) != 0
+      ok = allowed if ok is None else ok & allowed
+    if ok is not None:
+      s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # running max
-    if masked:
+    if ok is not None or bias is not None:
       # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 never
       # sees -inf - -inf (NaN). Its p and alpha come out as exact zeros.
       m_new_safe = jnp.where(m_new == -jnp.inf, 0., m_new)
@@ -126,17 +158,26 @@ def _prefill_kernel(
     acc = acc * alpha[:, None] + dot(p.astype(compute_dtype), v, **dot_kwargs)
     return acc, m_new, l_i
 
-  carry = (jnp.zeros((block_q, head_dim_padded), jnp.float32),
-           jnp.full((block_q,), -jnp.inf, jnp.float32),
-           jnp.zeros((block_q,), jnp.float32))
-  carry = lax.fori_loop(0, num_unmasked, functools.partial(attend, masked=False), carry)
-  if is_causal or kv_lengths_ref is not None or seq_kv % block_k:
-    # Otherwise every key block is full and unmasked: the masked loop is not even compiled.
-    carry = lax.fori_loop(num_unmasked, num_blocks, functools.partial(attend, masked=True), carry)
+  # A sink is one more logit in the denominator (gpt-oss's attention sink): the online
+  # softmax starts from it (m = sink, l = exp2(sink - m) = 1) instead of from nothing,
+  # so a row that sees no key ends with out 0 and lse = sink.
+  if sinks_ref is None:
+    m_0, l_0 = jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32)
+  else:
+    m_0 = jnp.full((block_q,), sinks_ref[...].astype(jnp.float32) * LOG2_E, jnp.float32)
+    l_0 = jnp.ones((block_q,), jnp.float32)
+  carry = (jnp.zeros((block_q, head_dim_padded), jnp.float32), m_0, l_0)
+  if mods.left is not None:  # the window's left edge
+    carry = lax.fori_loop(lo, full_lo, functools.partial(attend, edge=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, edge=False), carry)
+  if mods.right is not None or kv_lengths_ref is not None or seq_kv % block_k:
+    # Otherwise full_hi == hi: every key block to the end is whole and visible, and
+    # the masked loop is not even compiled.
+    carry = lax.fori_loop(full_hi, hi, functools.partial(attend, edge=True), carry)
   acc, m_i, l_i = carry
 
   # FlashAttention-2 divides once, here. Rows that saw no key (zero keys, or padding
-  # rows past q_len) give exact zeros and an LSE of -inf.
+  # rows past q_len) give exact zeros and an LSE of -inf (the sink with a sink).
   attended = row_valid & (l_i > 0.)
   l_safe = jnp.where(attended, l_i, 1.)
   out = jnp.where(attended[:, None], acc * (1. / l_safe)[:, None], 0.)
@@ -166,40 +207,98 @@ def _block_size(limit: int, length: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "is_causal", "return_residual", "config", "interpret"))
+    jax.jit, static_argnames=("is_causal", "local_window_size", "logits_soft_cap", "causal_alignment",
+                              "return_residual", "config", "interpret"))
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
-                      scale=None, is_causal=False, return_residual=False,
-                      config: PrefillConfig | None = None, interpret: bool | None = None):
+                      bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
+                      logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
+                      return_residual=False, config: PrefillConfig | None = None,
+                      interpret: bool | None = None):
   """FlashAttention-2 forward pass.
 
   query [B, T, N, H]; key, value [B, S, K, H] with N a multiple of K (query head n reads
   KV head n // (N // K)); query_seq_lengths, key_value_seq_lengths: optional int [B].
   Rows t >= query_seq_lengths[b] are padding (zeros out, LSE -inf), keys
-  s >= key_value_seq_lengths[b] are ignored; `is_causal` aligns the diagonal bottom-right
-  (query t sees keys s <= t + kv_len_b - q_len_b). Returns out [B, T, N, H] in the query's
-  dtype, and with `return_residual` also the natural-log LSE [B, T, N] float32.
+  s >= key_value_seq_lengths[b] are ignored. Query t sits at key position
+  p = t + kv_len_b - q_len_b (`causal_alignment="bottom_right"`, FlashAttention's) or p = t
+  ("top_left", jax.nn's); `is_causal` keeps keys s <= p.
+
+  Options (semantics: jaxflash/reference.py): bias (float) and mask (bool, True = attend)
+  broadcastable to [B, N, T, S], read tile by tile (broadcast axes are never expanded);
+  scale: a float or a traced scalar (default H ** -0.5); local_window_size: w or
+  (left, right), keys p - left <= s <= p + right, the blocks outside never loaded;
+  logits_soft_cap: cap * tanh(s / cap) after the bias; sinks [N]: per-head logits in the
+  softmax's denominator. Returns out [B, T, N, H] in the query's dtype, and with
+  `return_residual` also the natural-log LSE [B, T, N] float32 (including the sink).
 
   config: tiles, warps and stages (default: `jaxflash.prefill_config(H, dtype)`).
   interpret: run the kernel in Pallas interpret mode (default: when there is no GPU).
   """
   _checks.check_qkv(query, key, value)
   batch, seq_q, num_heads, head_dim = query.shape
-  seq_kv, num_kv_heads = key.shape[1], key.shape[2]
+  seq_kv = key.shape[1]
   _checks.check_same_batch(query, key)
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
-  scale = _checks.default_scale(scale, head_dim)
+  scores_shape = (batch, num_heads, seq_q, seq_kv)
+  bias = _checks.check_bias(bias, scores_shape)
+  mask = _checks.check_mask(mask, scores_shape)
+  sinks = _checks.check_sinks(sinks, num_heads)
+  mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
+                   window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
+  scale = _checks.scale_operand(scale, head_dim)
   tile_dtype = jnp.promote_types(query.dtype, key.dtype)
   if config is None:
     config = configs.prefill_config(head_dim, tile_dtype)
   else:
     _check_config(config)
     configs.check_fits(config, head_dim, tile_dtype)
+  return prefill_forward(query, key, value, q_lengths, kv_lengths, bias=bias, mask=mask,
+                         scale=scale, sinks=sinks, mods=mods, return_residual=return_residual,
+                         config=config, interpret=interpret)
 
+
+def _operand_spec(x, block_q: int, num_q_blocks: int):
+  """BlockSpec and (rows, keys) layout of a [Bb, Nb, Tb, Sb] bias or mask: an axis of size 1
+  is squeezed and its block index pinned to 0 (read with stride 0, never expanded)."""
+  bb, nb, tb, sb = x.shape
+  block = (None, None, block_q if tb > 1 else None, sb if sb > 1 else None)
+
+  def index(n, i, b):
+    return (b if bb > 1 else 0, n if nb > 1 else 0, num_q_blocks - 1 - i if tb > 1 else 0, 0)
+
+  return pl.BlockSpec(block, index), (tb > 1, sb > 1)
+
+
+def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, scale, sinks,
+                    mods: ScoreMods, return_residual: bool, config: PrefillConfig, interpret):
+  """The kernel launch, on checked arguments (`prefill_attention` checks them).
+
+  q_lengths, kv_lengths: int32 [B] or None; bias float / mask bool [Bb, Nb, Tb, Sb] (rank 4,
+  each axis 1 or full) or None; scale: float32 []; sinks: float32 [N] or None.
+  Returns (out, lse) with `return_residual`, else out.
+  """
+  batch, seq_q, num_heads, head_dim = query.shape
+  seq_kv, num_kv_heads = key.shape[1], key.shape[2]
   if 0 in (batch, seq_q, num_heads, head_dim) or seq_kv == 0:
     # Nothing to launch: every row has zero keys (or there are no rows).
     out = jnp.zeros(query.shape, query.dtype)
-    lse = jnp.full(query.shape[:3], -jnp.inf, jnp.float32)
+    q_len = seq_q if q_lengths is None else q_lengths[:, None, None]
+    valid_rows = jnp.arange(seq_q)[None, :, None] < q_len  # [B or 1, T, 1]
+    empty = jnp.full((1, 1, num_heads), -jnp.inf) if sinks is None else sinks[None, None, :]
+    lse = jnp.where(valid_rows, empty, -jnp.inf).astype(jnp.float32)
+    lse = jnp.broadcast_to(lse, query.shape[:3])
+    return (out, lse) if return_residual else out
+
+  if use_interpret(interpret) and manual_axes():
+    # Inside jax.shard_map with check_vma on, JAX's Pallas interpreter (jax 0.10) pads refs
+    # with constants that vary over no mesh axis and the check refuses them ("Primitive pad
+    # requires varying manual axes to match"). Interpreted there, the plain-JAX reference
+    # stands in; compiled kernels run as everywhere else.
+    out, lse = attention_reference(
+        query, key, value, bias, mask, scale=scale, is_causal=mods.is_causal,
+        query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, local_window_size=mods.window,
+        logits_soft_cap=mods.logits_soft_cap, sinks=sinks, causal_alignment=mods.causal_alignment)
     return (out, lse) if return_residual else out
 
   block_q = _block_size(config.block_q, seq_q)
@@ -209,18 +308,6 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   # A query tile shrunk for a short sequence has too few rows to share among 8 warps.
   num_warps = config.num_warps if block_q == config.block_q else min(config.num_warps, 4)
   group = num_heads // num_kv_heads
-
-  kernel = functools.partial(
-      _prefill_kernel, qk_scale=scale * LOG2_E, is_causal=is_causal, block_q=block_q,
-      block_k=block_k, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv, num_q_blocks=num_q_blocks,
-      approx_exp2=APPROX_EXP2 and not use_interpret(interpret))
-
-  def kernel_with_optional_refs(*refs):
-    refs = list(refs)
-    q_len_ref = refs.pop(0) if q_lengths is not None else None
-    kv_len_ref = refs.pop(0) if kv_lengths is not None else None
-    q_ref, k_ref, v_ref, o_ref, *lse_ref = refs
-    kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref[0] if lse_ref else None)
 
   # Grid (head, query block, sequence): the head varies fastest, so the programs resident
   # together share KV heads (GQA tiles hit in L2), and all heads' longest blocks go first.
@@ -233,43 +320,84 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     del i
     return b, 0, lax.div(n, group), 0
 
+  # Optional operands (None) get no BlockSpec and reach the kernel as None refs.
   length_spec = pl.BlockSpec((None,), lambda n, i, b: (b,))
-  in_specs = [length_spec] * ((q_lengths is not None) + (kv_lengths is not None)) + [
-      pl.BlockSpec((None, block_q, None, head_dim_padded), q_block_index),
-      pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index),
-      pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index),
-  ]
-  out_shape = [jax.ShapeDtypeStruct(query.shape, query.dtype)]
+  bias_spec, bias_layout = (None, None) if bias is None else _operand_spec(bias, block_q, num_q_blocks)
+  mask_spec, mask_layout = (None, None) if mask is None else _operand_spec(mask, block_q, num_q_blocks)
+  if mask is not None:
+    mask = mask.astype(jnp.int8)  # a byte a flag, as bool; Triton loads bytes, not i1
+  operands = dict(
+      q_lengths=(q_lengths, length_spec),
+      kv_lengths=(kv_lengths, length_spec),
+      scale=(score_mods.score_scale(mods, scale).reshape(1), pl.BlockSpec((None,), lambda n, i, b: (0,))),
+      sinks=(sinks, pl.BlockSpec((None,), lambda n, i, b: (n,))),
+      bias=(bias, bias_spec),
+      mask=(mask, mask_spec),
+      query=(query, pl.BlockSpec((None, block_q, None, head_dim_padded), q_block_index)),
+      key=(key, pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index)),
+      value=(value, pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index)),
+  )
+  names = [name for name, (x, _) in operands.items() if x is not None]
+  kernel = functools.partial(
+      _prefill_kernel, mods=mods, bias_layout=bias_layout, mask_layout=mask_layout,
+      block_q=block_q, block_k=block_k, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv,
+      num_q_blocks=num_q_blocks, approx_exp2=APPROX_EXP2 and not use_interpret(interpret))
+
+  def kernel_with_optional_refs(*refs):
+    given = dict(zip(names, refs))
+    o_ref, *lse_ref = refs[len(names):]
+    kernel(*(given.get(name) for name in operands), o_ref, lse_ref[0] if lse_ref else None)
+
+  inputs = [operands[name][0] for name in names]
+  out_shape = [result_struct(query.shape, query.dtype, *inputs)]
   out_specs = [pl.BlockSpec((None, block_q, None, head_dim_padded), q_block_index)]
   if return_residual:
-    out_shape.append(jax.ShapeDtypeStruct((batch, seq_q, num_heads), jnp.float32))
+    out_shape.append(result_struct((batch, seq_q, num_heads), jnp.float32, *inputs))
     out_specs.append(pl.BlockSpec((None, block_q, None), lambda n, i, b: (b, num_q_blocks - 1 - i, n)))
 
-  pairs = batch * num_heads * seq_q * seq_kv * (0.5 if is_causal else 1.)
+  # Work: the key blocks the loop bounds visit at full lengths (O(n w) with a window).
+  pairs = batch * num_heads * count_key_blocks(mods, seq_q, seq_kv, block_q, block_k) * block_q * block_k
+  optional_bytes = sum(x.size * x.dtype.itemsize for x in (bias, mask) if x is not None)
   cost = pl.CostEstimate(
       flops=int(4 * pairs * head_dim), transcendentals=int(pairs),
       bytes_accessed=int(2 * query.size * query.dtype.itemsize
-                         + 2 * key.size * key.dtype.itemsize))
-  lengths = [x for x in (q_lengths, kv_lengths) if x is not None]
+                         + 2 * key.size * key.dtype.itemsize + optional_bytes))
   with quiet():
-    results = pl.pallas_call(
+    call = pl.pallas_call(
         kernel_with_optional_refs,
         grid=grid,
-        in_specs=in_specs,
+        in_specs=[operands[name][1] for name in names],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
         cost_estimate=cost,
         interpret=use_interpret(interpret),
         name="jaxflash_prefill",
-    )(*lengths, query, key, value)
+    )
+    results = call(*inputs)
   return tuple(results) if return_residual else results[0]
 
 
+def count_key_blocks(mods: ScoreMods, seq_q: int, seq_kv: int, block_q: int, block_k: int) -> int:
+  """Key blocks the kernel's loops visit for one sequence and head at full lengths, summed
+  over its query blocks: the bounds of `score_mods.key_blocks`, evaluated at trace time.
+  A sliding window (w, 0) makes it about (seq_q / block_q) * ((w + block_q) / block_k + 1)."""
+  with jax.ensure_compile_time_eval():
+    q_len, kv_len = jnp.int32(seq_q), jnp.int32(seq_kv)
+    starts = jnp.arange(0, seq_q, block_q, dtype=jnp.int32)  # [num_q_blocks]
+    last = jnp.minimum(starts + block_q, seq_q) - 1
+    lo, _, _, hi = key_blocks(mods, starts, last, mods.shift(q_len, kv_len), kv_len, block_k)
+    return int(jnp.sum(hi - lo))
+
+
 def prefill_reference(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
-                      scale=None, is_causal=False, return_residual=False):
+                      bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
+                      logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
+                      return_residual=False):
   """Plain-JAX attention with `prefill_attention`'s semantics (materialises [B, N, T, S])."""
   out, lse = attention_reference(
-      query, key, value, scale=_checks.default_scale(scale, query.shape[-1]), is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+      query, key, value, bias, mask, scale=_checks.default_scale(scale, query.shape[-1]),
+      is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, local_window_size=window_size(local_window_size),
+      logits_soft_cap=logits_soft_cap, sinks=sinks, causal_alignment=causal_alignment)
   return (out, lse) if return_residual else out

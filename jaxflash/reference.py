@@ -56,7 +56,9 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale: float
   s, kh = key.shape[1], key.shape[2]
   acc = jnp.promote_types(query.dtype, jnp.float32)
   q = query.astype(acc).reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, key.astype(acc)) * scale  # [B, K, G, T, S]
+  # HIGHEST: float32 stays float32 on a GPU (not TF32), as a reference must.
+  highest = jax.lax.Precision.HIGHEST
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, key.astype(acc), precision=highest) * scale  # [B, K, G, T, S]
   scores = scores.reshape(b, n, t, s)  # [B, N, T, S]: head n = k * G + g
   if bias is not None:
     scores = scores + jnp.broadcast_to(bias, (b, n, t, s)).astype(acc)
@@ -78,7 +80,7 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale: float
   safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
   probs = jnp.where(visible, jnp.exp(scores - safe_lse[..., None]), 0.0)  # [B, N, T, S]
   probs = probs.reshape(b, kh, n // kh, t, s)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, value.astype(acc))
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, value.astype(acc), precision=highest)
   out = out.reshape(b, t, n, h).astype(query.dtype)
   q_len = t if query_seq_lengths is None else jnp.asarray(query_seq_lengths)[:, None, None]
   padded = jnp.arange(t)[None, None, :] >= q_len  # [B or 1, 1, T]

@@ -36,8 +36,12 @@ dimensions, as reshaping a [.., K * H] projection split over more devices than K
 is resharded by XLA to what the plan needs: correct, at the cost of a collective.
 
 Under `jax.vmap` the call is not partitioned (custom_partitioning has no batching rule;
-the kernels' own runs instead). On one device nothing here runs: the kernel is called
-directly, so the single-device program is exactly the kernel's.
+the kernels' own runs instead). On one device, and inside `jax.shard_map` (manual mesh
+axes: the caller has split the arrays, and custom_partitioning cannot run there), nothing
+here runs: the kernel is called directly on what it is given.
+
+The options (bias, mask, sinks, scale) travel as operands too: a bias or mask splits with
+the batch and heads where it has those axes and is replicated along its broadcast ones.
 """
 from __future__ import annotations
 
@@ -70,45 +74,87 @@ RESULTS = (("b", "t", "n", "h"),  # out [B, T, N, H]
            ("b", "t", "n"))       # lse [B, T, N]
 
 
-def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_lengths=None):
-  """kernel(query, key, value, q_lengths, kv_lengths) -> (out, lse), sharding-aware.
+# Optional operands, passed to the kernel by keyword: bias and mask [B, N, T, S] (rank 4;
+# an axis of size 1 is a broadcast one and gets a factor of its own), sinks [N], scale [].
+OPTION_DIMS = {"bias": ("b", "n", "t", "s"), "mask": ("b", "n", "t", "s"), "sinks": ("n",),
+               "scale": ()}
 
-  query [B, T, N, H], key/value [B, S, K, H], lengths [B] or None.
+
+def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_lengths=None,
+            **options):
+  """kernel(query, key, value, q_lengths, kv_lengths, **options) -> (out, lse), sharding-aware.
+
+  query [B, T, N, H], key/value [B, S, K, H], lengths [B] or None; options: arrays named
+  in OPTION_DIMS (None: absent).
   """
   return _call(kernel, DENSE_OPERANDS,
-               (query, key, value, query_seq_lengths, key_value_seq_lengths))
+               (query, key, value, query_seq_lengths, key_value_seq_lengths), options)
 
 
-def decode(kernel, query, key, value, key_value_seq_lengths=None):
-  """kernel(query, key, value, kv_lengths) -> (out, lse), sharding-aware (`prefill` without
-  query lengths). query [B, 1, N, H], caches [B, S, K, H], lengths [B] or None."""
-  return prefill(lambda q, k, v, _, kv_lengths: kernel(q, k, v, kv_lengths),
-                 query, key, value, None, key_value_seq_lengths)
+def decode(kernel, query, key, value, key_value_seq_lengths=None, **options):
+  """kernel(query, key, value, kv_lengths, **options) -> (out, lse), sharding-aware
+  (`prefill` without query lengths). query [B, 1, N, H], caches [B, S, K, H], lengths [B]."""
+  return prefill(lambda q, k, v, _, kv_lengths, **kw: kernel(q, k, v, kv_lengths, **kw),
+                 query, key, value, None, key_value_seq_lengths, **options)
 
 
-def paged(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_table):
-  """kernel(query, key_pages, value_pages, kv_lengths, block_table) -> (out, lse),
+def paged(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_table, **options):
+  """kernel(query, key_pages, value_pages, kv_lengths, block_table, **options) -> (out, lse),
   sharding-aware. query [B, 1, N, H], pages [P, page_size, K, H], lengths [B],
-  block_table [B, max_pages]."""
+  block_table [B, max_pages]; bias/mask [B, N, 1, max_pages * page_size]-broadcastable."""
   return _call(kernel, PAGED_OPERANDS,
-               (query, key_pages, value_pages, key_value_seq_lengths, block_table))
+               (query, key_pages, value_pages, key_value_seq_lengths, block_table), options)
 
 
-def _call(kernel, operand_dims, operands):
-  """kernel(*operands) as one custom-partitioned call (operands named by operand_dims)."""
-  if jax.device_count() == 1:
-    # Nothing to partition: the single-device program stays exactly the kernel's.
-    return kernel(*operands)
+def manual_axes() -> tuple[str, ...]:
+  """Mesh axes the caller is manual over (inside `jax.shard_map`); () outside."""
+  get = getattr(jax.sharding, "get_abstract_mesh", None)
+  return tuple(getattr(get(), "manual_axes", ())) if get is not None else ()
+
+
+def result_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+  """A kernel result's ShapeDtypeStruct. Inside `jax.shard_map` with `check_vma` on, a
+  `pallas_call`'s results must say which manual axes they vary over: every axis any of
+  the kernel's inputs (None: absent) varies over."""
+  if not manual_axes():
+    return jax.ShapeDtypeStruct(shape, dtype)
+  avals = [jax.typeof(x) for x in inputs if x is not None]
+  params = inspect.signature(jax.ShapeDtypeStruct).parameters
+  if "manual_axis_type" in params:  # jax 0.10 and later
+    varying = frozenset().union(*(a.manual_axis_type.varying for a in avals))
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+  if "vma" in params:  # earlier releases
+    return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset().union(*(a.vma for a in avals)))
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _option_dims(name: str, x) -> tuple[str, ...]:
+  # A broadcast axis (size 1) is its own factor: it may not share one with a full axis.
+  return tuple(d if size != 1 else f"{d}1" for d, size in zip(OPTION_DIMS[name], x.shape))
+
+
+def _call(kernel, operand_dims, operands, options=None):
+  """kernel(*operands, **options) as one custom-partitioned call (operands named by
+  operand_dims, options by OPTION_DIMS)."""
+  options = {name: x for name, x in (options or {}).items() if x is not None}
+  if jax.device_count() == 1 or manual_axes():
+    # Nothing to partition: on one device, or per device inside jax.shard_map (the caller
+    # has split the arrays already; custom_partitioning cannot run under manual axes),
+    # the program stays exactly the kernel's.
+    return kernel(*operands, **options)
   # custom_partitioning takes arrays only: absent optional operands (None) are left out
-  # here and put back in front of the kernel.
+  # here and put back in front of the kernel; options follow the operands.
+  names = tuple(options)
   present = tuple(i for i, x in enumerate(operands) if x is not None)
-  dims = tuple(operand_dims[i] for i in present)
+  dims = (tuple(operand_dims[i] for i in present)
+          + tuple(_option_dims(name, options[name]) for name in names))
 
   def run(*arrays):
     full = [None] * len(operands)
     for i, x in zip(present, arrays):
       full[i] = x
-    return tuple(kernel(*full))
+    return tuple(kernel(*full, **dict(zip(names, arrays[len(present):]))))
 
   heads = (operands[0].shape[2], operands[1].shape[2])  # N, K
   call = custom_partitioning(run)
@@ -132,7 +178,7 @@ def _call(kernel, operand_dims, operands):
     in_axes = tuple(0 if batched else None for batched in in_batched)
     return jax.vmap(run, in_axes=in_axes)(*arrays), (True, True)
 
-  return batchable(*(operands[i] for i in present))
+  return batchable(*(operands[i] for i in present), *(options[name] for name in names))
 
 
 def _sharding_rule(dims) -> SdyShardingRule:

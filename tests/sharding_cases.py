@@ -166,8 +166,61 @@ def projected_kv_case(devices=None, seed: int = 0):
               out_err=float(np.abs(np.asarray(out) - np.asarray(want)).max()))
 
 
+def _prefill_options(q, k, v, q_len, kv_len, bias, mask, sinks, scale):
+  return jaxflash.attention(q, k, v, bias, mask, query_seq_lengths=q_len,
+                            key_value_seq_lengths=kv_len, is_causal=True, local_window_size=(5, 0),
+                            sinks=sinks, scale=scale, logits_soft_cap=4.0, return_residual=True)
+
+
+def options_case(devices=None, seed: int = 0):
+  """Prefill with every option on a (data, model) mesh: a bias broadcast over the batch, a
+  mask over heads and queries, sinks split with the heads, a traced scale. The results
+  must equal one device's, keep the batch and head splits, with no collective."""
+  devices = jax.devices() if devices is None else devices
+  d = len(devices)
+  shape, names = ((2, d // 2), ("data", "model")) if d >= 4 else ((1, d), ("data", "model"))
+  mesh = Mesh(np.asarray(devices).reshape(shape), names)
+  rng = np.random.default_rng(seed)
+  _, (q, k, v, q_len, kv_len), _ = _inputs("prefill", rng, K, N)
+  bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.float32)
+  mask = jnp.asarray(rng.random((B, 1, 1, S)) < 0.8)
+  sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
+  scale = jnp.float32(0.3)
+  arrays = (q, k, v, q_len, kv_len, bias, mask, sinks, scale)
+  specs = (P("data", None, "model"), P("data", None, "model"), P("data", None, "model"),
+           P("data"), P("data"), P(None, "model"), P("data"), P("model"), P())
+  placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(arrays, specs)]
+  compiled = jax.jit(_prefill_options).lower(*placed).compile()
+  out, lse = compiled(*placed)
+  want, want_lse = jax.jit(_prefill_options)(*(jax.device_put(x, devices[0]) for x in arrays))
+  text = compiled.as_text()
+  finite = np.isfinite(np.asarray(want_lse))
+  return dict(out_spec=_padded(out.sharding.spec, 4),
+              collectives=sorted({c for c in COLLECTIVES if c in text}),
+              out_err=float(np.abs(np.asarray(out) - np.asarray(want)).max()),
+              lse_err=float(np.abs(np.asarray(lse)[finite] - np.asarray(want_lse)[finite]).max()))
+
+
+def shard_map_case(kernel: str, devices=None, seed: int = 0):
+  """jaxflash.attention inside jax.shard_map (check_vma on, its default), batch split over
+  the devices: each runs the kernel on its shard; the result equals one device's."""
+  devices = jax.devices() if devices is None else devices
+  mesh = Mesh(np.asarray(devices), ("data",))
+  rng = np.random.default_rng(seed)
+  fn, arrays, roles = _inputs(kernel, rng, K, N)
+  specs = tuple(P() if role == "pages" else P("data") for role in roles)
+  mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P("data"), P("data"))))
+  out, lse = mapped(*arrays)
+  want, want_lse = jax.jit(fn)(*(jax.device_put(x, devices[0]) for x in arrays))
+  finite = np.isfinite(np.asarray(want_lse))
+  return dict(out_err=float(np.abs(np.asarray(out) - np.asarray(want)).max()),
+              lse_err=float(np.abs(np.asarray(lse)[finite] - np.asarray(want_lse)[finite]).max()))
+
+
 if __name__ == "__main__":
   kernel = sys.argv[1]
   print(json.dumps({"layouts": run(kernel),
                     "vmap_error": vmap_error() if kernel == "decode" else None,
-                    "projected_kv": projected_kv_case() if kernel == "prefill" else None}))
+                    "projected_kv": projected_kv_case() if kernel == "prefill" else None,
+                    "options": options_case() if kernel == "prefill" else None,
+                    "shard_map": shard_map_case(kernel)}))

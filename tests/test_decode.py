@@ -133,7 +133,7 @@ def test_through_attention(is_causal, rng):
   ref_out, ref_lse = attention_f64(q, k, v, kv_lengths=np.asarray(lengths))
   for implementation in (None, "xla"):
     out, lse = jaxflash.attention(q, k, v, key_value_seq_lengths=lengths, is_causal=is_causal,
-                                  return_residual=True, implementation=implementation)
+                                  causal_alignment="bottom_right", return_residual=True, implementation=implementation)
     assert_close(out, ref_out, dtype, what=f"output ({implementation})")
     assert_close(lse, ref_lse, jnp.float32, what=f"lse ({implementation})")
 

@@ -60,6 +60,13 @@ def test_sharded_cpu_mesh(kernel):
     projected = results["projected_kv"]
     assert projected["out_spec"] == [None, None, "model", None], projected
     assert projected["out_err"] <= TOLERANCE, projected
+    options = results["options"]  # bias, mask, sinks, window, soft-cap, traced scale
+    assert options["out_spec"] == ["data", None, "model", None], options
+    assert options["collectives"] == [], options
+    assert options["out_err"] <= TOLERANCE and options["lse_err"] <= TOLERANCE, options
+  # Inside jax.shard_map (check_vma on): the kernel runs per device.
+  assert results["shard_map"]["out_err"] <= TOLERANCE, results["shard_map"]
+  assert results["shard_map"]["lse_err"] <= TOLERANCE, results["shard_map"]
 
 
 @pytest.mark.gpu
@@ -69,6 +76,13 @@ def test_sharded_gpu_mesh(kernel):
   from tests import sharding_cases
   devices = jax.devices()[:4] if jax.device_count() >= 4 else jax.devices()[:2]
   _check(sharding_cases.run(kernel, devices))
+  if kernel == "prefill":
+    # (The decode kernels join once their results carry sharding.result_struct's types.)
+    shard_map = sharding_cases.shard_map_case(kernel, devices)  # compiled, per device
+    assert shard_map["out_err"] <= TOLERANCE and shard_map["lse_err"] <= TOLERANCE, shard_map
+    options = sharding_cases.options_case(devices)
+    assert options["collectives"] == [], options
+    assert options["out_err"] <= TOLERANCE and options["lse_err"] <= TOLERANCE, options
 
 
 @pytest.mark.single_device

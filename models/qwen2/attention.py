@@ -39,7 +39,7 @@ def dot_product_attention(query, key, value, *, impl: str | None, is_causal: boo
                                         key_value_seq_lengths=kv_lengths, implementation="cudnn")
   return jaxflash.attention(query, key, value, is_causal=is_causal, query_seq_lengths=query_lengths,
                             key_value_seq_lengths=kv_lengths, block_table=block_table,
-                            implementation=impl)
+                            implementation=impl, causal_alignment="bottom_right")
 
 
 def _split_kv_chunks(query, kv: LayerKV, lengths) -> jaxflash.SplitKV:
