@@ -58,11 +58,19 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   _checks.check_float("query", query)
   mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
                    window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
-  # The decode kernels and cuDNN take the scale as a compile-time number; the prefill
-  # kernel and the reference take it as an operand, so a new value never recompiles.
+  if implementation is None or implementation == "mosaic":
+    reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths,
+                           block_table, bias, mask, sinks, scale=scale, mods=mods,
+                           forced=implementation == "mosaic")
+    if implementation == "mosaic" and reason is not None:
+      raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
+    implementation = "mosaic" if reason is None else "triton"
+  # The decode kernels, the Mosaic prefill and cuDNN take the scale as a compile-time
+  # number; the Triton prefill and the reference take it as an operand, so a new value
+  # never recompiles.
   decode_like = _decode_semantics(query, query_seq_lengths, mods)
   static_scale = None
-  if implementation == "cudnn" or (implementation == "triton" and decode_like):
+  if implementation in ("cudnn", "mosaic") or (implementation == "triton" and decode_like):
     static_scale = _concrete_scale(scale, query.shape[-1])
   if scale is not None:
     scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
@@ -71,17 +79,43 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                     return_residual=bool(return_residual), implementation=implementation)
 
 
-def _check_implementation(implementation) -> str:
+def _check_implementation(implementation) -> str | None:
+  """The registry name, with "pallas" read as "triton"; None stays None (chosen per call)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-  if implementation is None:
-    return best_implementation()
   return "triton" if implementation == "pallas" else implementation
 
 
-def best_implementation() -> str:
-  """The implementation `None` stands for on this machine."""
-  return "triton"
+def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None,
+                  block_table=None, bias=None, mask=None, sinks=None, *, scale=None,
+                  mods: ScoreMods = ScoreMods(), forced: bool = False) -> str | None:
+  """None when the Mosaic GPU prefill serves this call (what `implementation=None` then
+  picks on sm_90+), else why not: paged caches, one-token decode (unless `forced`), a traced
+  scale, a top-left causal mask that differs from the bottom-right one the kernel computes,
+  the options it lacks (`jaxflash.mosaic.supports`), or no Hopper GPU."""
+  from jaxflash.mosaic import supports
+  if block_table is not None:
+    return "paged caches are read by the Pallas-Triton kernels"
+  if not forced and _decode_semantics(query, query_seq_lengths, mods):
+    return "one query token per sequence runs on the split-KV decode kernels"
+  if _concrete_scale(scale, query.shape[-1]) is None:
+    return "a traced scale (the Mosaic prefill compiles the scale in)"
+  if sharding.manual_axes():
+    return "inside jax.shard_map the Pallas-Triton kernels run"
+  alignment = mods.causal_alignment
+  positional = mods.is_causal or mods.window is not None
+  if positional and alignment == "top_left":
+    # Top-left and bottom-right agree when every sequence has as many queries as keys.
+    same = (query.shape[-3] == key.shape[-3] and query_seq_lengths is None
+            and key_value_seq_lengths is None)
+    if not same:
+      return "a top-left causal mask with T != S or sequence lengths"
+    alignment = "bottom_right"
+  batched = [jax.ShapeDtypeStruct((1,) * (4 - x.ndim) + tuple(x.shape), x.dtype)
+             for x in (query, key, value)]
+  return supports(*batched, bias=bias, mask=mask, sinks=sinks, local_window_size=mods.window,
+                  logits_soft_cap=mods.logits_soft_cap,
+                  causal_alignment=alignment if positional else "bottom_right")
 
 
 def _decode_semantics(query, query_seq_lengths, mods: ScoreMods) -> bool:
@@ -155,7 +189,10 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
                  scale=static_scale, return_residual=return_residual, **options)
     return out[0] if unbatched else out
   elif implementation == "mosaic":
-    result = _mosaic(query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale, **options)
+    from jaxflash.mosaic import prefill_attention as mosaic_prefill
+    kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
+                               return_residual=True)
+    result = sharding.prefill(kernel, query, key, value, q_lengths, kv_lengths)
   elif (static_scale is not None and _decode_semantics(query, q_lengths, mods)
         and not (sharding.manual_axes() and use_interpret())):
     # (Interpreted inside jax.shard_map, the prefill path's stand-in serves: see prefill.py.)
@@ -216,15 +253,6 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
       query, key, value, bias, mask, scale=scale, is_causal=mods.is_causal,
       query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
       local_window_size=mods.window, implementation="cudnn")
-
-
-def _mosaic(query, key, value, q_lengths, kv_lengths, *, mods: ScoreMods, scale, bias, mask,
-            sinks):
-  """The Pallas Mosaic GPU prefill (Hopper, sm_90+): raises where it cannot serve."""
-  del query, key, value, q_lengths, kv_lengths, mods, scale, bias, mask, sinks
-  raise ValueError("implementation='mosaic' is not available: needs the Pallas Mosaic GPU "
-                   "prefill kernel (a Hopper GPU, sm_90+), which this build of jaxflash does "
-                   "not include; use implementation=None or 'triton'")
 
 
 def _finish(result, return_residual: bool, unbatched: bool):

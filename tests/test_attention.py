@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 
 import jaxflash
-from tests.conftest import assert_close, random_array
+from jaxflash.score_mods import ScoreMods
+from tests.conftest import HAS_GPU, assert_close, random_array
 from tests.reference_np import attention_f64, gather_pages_np
 
 F32 = jnp.float32
 ATTENTION = importlib.import_module("jaxflash.attention")
+HAS_GPU_SM90 = HAS_GPU and jaxflash.device_info().compute_capability >= (9, 0)
 DECODE_TAKES_OPTIONS = "sinks" in inspect.signature(jaxflash.decode_attention).parameters
 PAGED_TAKES_OPTIONS = "sinks" in inspect.signature(jaxflash.paged_decode_attention).parameters
 
@@ -167,7 +169,9 @@ def test_registry(rng):
   q, k, v = _qkv(rng, 1, 5, 6)
   np.testing.assert_array_equal(jaxflash.attention(q, k, v, implementation="pallas"),
                                 jaxflash.attention(q, k, v, implementation="triton"))
-  with pytest.raises(ValueError, match=r"implementation='mosaic' is not available: needs"):
+  # No GPU here, or float32 inputs on one: the reason is in the message.
+  with pytest.raises(ValueError, match=r"implementation='mosaic' cannot serve this call: .*"
+                     r"(no GPU|float32|sm_)"):
     jaxflash.attention(q, k, v, implementation="mosaic")
   with pytest.raises(ValueError, match=r"implementation must be one of \(None, 'triton'.*'bogus'"):
     jaxflash.attention(q, k, v, implementation="bogus")
@@ -318,3 +322,23 @@ def test_decode_route_passes_the_options(paged, monkeypatch, rng):
   assert seen["logits_soft_cap"] == 2.0 and seen["return_residual"] is True
   assert seen["bias"].shape == (1, 4, 1, 16) and seen["mask"].shape == (2, 1, 1, 16)
   assert seen["sinks"].shape == (4,)
+
+
+def test_mosaic_dispatch_reasons():
+  """What keeps a call off the Mosaic prefill, decided before any kernel is traced."""
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  one = jax.ShapeDtypeStruct((1, 1, 4, 128), jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct((8, 16, 2, 128), jnp.bfloat16)
+  lengths = jnp.array([200], jnp.int32)
+  causal_tl = ScoreMods(is_causal=True, causal_alignment="top_left")
+  reason = ATTENTION.mosaic_reason
+  assert "paged" in reason(one, pages, pages, None, lengths, jnp.zeros((1, 4), jnp.int32))
+  assert "decode" in reason(one, kv, kv, mods=ScoreMods())
+  assert "traced scale" in reason(q, kv, kv, scale=jax.ShapeDtypeStruct((), jnp.float32))
+  assert "top-left" in reason(q, kv, kv, None, lengths, mods=causal_tl)
+  sinks = reason(q, kv, kv, sinks=jnp.zeros(4), mods=ScoreMods())
+  assert "sinks" in sinks if HAS_GPU_SM90 else sinks is not None
+  # Top-left and bottom-right agree at T == S without lengths: only the device decides.
+  left = reason(q, kv, kv, mods=causal_tl)
+  assert (left is None) if HAS_GPU_SM90 else ("GPU" in left or "sm_" in left)
