@@ -25,6 +25,10 @@ from jaxflash.device import DeviceInfo, device_info
 
 RESERVE_BYTES = 2 * 1024
 DECODE_QUERY_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to it
+# Most query rows one decode program holds: a KV group of more heads (multi-query models,
+# 32 or 128 heads on one KV head) is split over ceil(G / rows) programs, each re-reading the
+# group's K/V (from L2 when they run together) rather than carrying a [G, H] accumulator.
+DECODE_MAX_QUERY_ROWS = 64
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -58,8 +62,8 @@ class DecodeConfig:
   num_warps: int = 4
   num_stages: int = 2
 
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    return _smem_bytes(DECODE_QUERY_ROWS, self.block_k, self.num_stages, head_dim, itemsize)
+  def smem_bytes(self, head_dim: int, itemsize: int, query_rows: int = DECODE_QUERY_ROWS) -> int:
+    return _smem_bytes(query_rows, self.block_k, self.num_stages, head_dim, itemsize)
 
 
 P, D = PrefillConfig, DecodeConfig
@@ -145,6 +149,19 @@ def decode_config(head_dim: int, dtype, info: DeviceInfo | None = None, *, paged
   tables = _PAGED if paged else _DECODE
   table = _DECODE_FP32 if itemsize > 2 else tables.get((_generation_key(info), itemsize), [])
   return _first_fit([*table, *_DECODE_LAST], head_dim, itemsize, info, "decode")
+
+
+def decode_query_rows(group: int, config: DecodeConfig, head_dim: int, dtype,
+                      info: DeviceInfo | None = None) -> int:
+  """Query rows of one decode program for KV groups of `group` heads: the group padded to a
+  power of two >= DECODE_QUERY_ROWS, at most DECODE_MAX_QUERY_ROWS and no more than `config`
+  leaves room for in shared memory. Groups of up to 16 heads get 16 rows, as they always did."""
+  info = info or device_info()
+  itemsize = jnp.dtype(dtype).itemsize
+  rows = min(max(DECODE_QUERY_ROWS, 1 << (max(group, 1) - 1).bit_length()), DECODE_MAX_QUERY_ROWS)
+  while rows > DECODE_QUERY_ROWS and config.smem_bytes(head_dim, itemsize, rows) > info.smem_per_block:
+    rows //= 2
+  return rows
 
 
 def all_configs():

@@ -23,7 +23,7 @@ from jax import lax
 from jaxflash import _checks, configs
 from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_masked, mask2d, pl, quiet, store,
                               use_interpret)
-from jaxflash.configs import DECODE_QUERY_ROWS, DecodeConfig
+from jaxflash.configs import DecodeConfig
 from jaxflash.reference import attention_reference
 
 NEG_INF = float("-inf")
@@ -50,14 +50,14 @@ class SplitKV(NamedTuple):
 def _attend_tile(carry, q, k, v, *, qk_scale: float, key_ok, precision):
   """One step of the online softmax (FlashAttention-2, Alg. 1) in base 2.
 
-  q [16, Hp] (one KV group's query heads, padded), k/v [block_k, Hp]; the running max
+  q [R, Hp] (R query heads of one KV group, padded), k/v [block_k, Hp]; the running max
   m and sum l are in log2 units because `qk_scale` folds in log2(e), so every exponential
   is the GPU's native exp2 (the article, Step 2). `key_ok` [block_k] masks the keys past
   the sequence's end; it is None for the full tiles of the hot loop.
   """
-  acc, m_i, l_i = carry  # [16, Hp] f32, [16] f32, [16] f32
+  acc, m_i, l_i = carry  # [R, Hp] f32, [R] f32, [R] f32
   # Scale the fp32 scores, not the bf16 query: scaling q in bf16 costs accuracy (the article).
-  s = dot(q, k, trans_b=True, precision=precision) * qk_scale  # [16, block_k]
+  s = dot(q, k, trans_b=True, precision=precision) * qk_scale  # [R, block_k]
   if key_ok is not None:
     s = jnp.where(key_ok[None, :], s, NEG_INF)
   # Every tile holds at least one valid key, so m_new is finite and no exp2(-inf + inf) arises.
@@ -80,6 +80,8 @@ def _split_kv_kernel(
     *,
     tile_index,  # (table_ref, b, h, tok0, key_ok) -> index of one K/V tile [block_k, Hp]
     group: int,
+    query_rows: int,
+    row_blocks: int,
     head_dim: int,
     block_k: int,
     chunk: int,
@@ -88,10 +90,17 @@ def _split_kv_kernel(
     final: bool,
     precision,
 ):
-  """One program: sequence b, KV head h, chunk c of `chunk` tokens."""
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  """One program: sequence b, KV head h (row block r of its query heads), chunk c of `chunk`
+  tokens."""
+  b, c = pl.program_id(0), pl.program_id(2)
+  if row_blocks == 1:  # static: a group of up to DECODE_MAX_QUERY_ROWS heads, one program
+    h, head0 = pl.program_id(1), pl.program_id(1) * group
+    rows = jnp.arange(query_rows)
+  else:  # larger groups: heads r*R.. of group h, grid axis 1 = h * row_blocks + r
+    h, r = lax.div(pl.program_id(1), row_blocks), lax.rem(pl.program_id(1), row_blocks)
+    head0 = h * group + r * query_rows
+    rows = r * query_rows + jnp.arange(query_rows)  # the rows' places in the group
   head_dim_p = configs.padded_head_dim(head_dim)
-  rows = jnp.arange(DECODE_QUERY_ROWS)
   cols = jnp.arange(head_dim_p)
   col_ok = None if head_dim_p == head_dim else cols < head_dim  # static: no mask when H is 2^k
 
@@ -103,11 +112,10 @@ def _split_kv_kernel(
   num_full = lax.div(num_tokens, block_k)  # non-negative: C division, no floor fix-ups
   num_tiles = lax.div(num_tokens + block_k - 1, block_k)  # num_full, +1 for a ragged tail
 
-  # All query heads of KV group h (GQA by index: heads h*G .. h*G+G-1) as one 16-row tile,
-  # since tl.dot needs 16 rows; the padded rows load zeros and are never stored.
+  # The query heads of KV group h (GQA by index: heads h*G .. h*G+G-1) as one tile of
+  # R >= 16 rows, since tl.dot needs 16 rows; the padded rows load zeros and are never stored.
   q_mask = mask2d(rows < group, col_ok)
-  q = load(q_ref.at[b, pl.ds(h * group, DECODE_QUERY_ROWS), pl.ds(0, head_dim_p)],
-           mask=q_mask, other=0.0)
+  q = load(q_ref.at[b, pl.ds(head0, query_rows), pl.ds(0, head_dim_p)], mask=q_mask, other=0.0)
   q = q.astype(k_ref.dtype)
 
   def body(i, carry, *, masked: bool):
@@ -119,9 +127,9 @@ def _split_kv_kernel(
     v = load_masked(v_ref.at[index], kv_mask)
     return _attend_tile(carry, q, k, v, qk_scale=qk_scale, key_ok=key_ok, precision=precision)
 
-  carry = (jnp.zeros((DECODE_QUERY_ROWS, head_dim_p), jnp.float32),
-           jnp.full((DECODE_QUERY_ROWS,), NEG_INF, jnp.float32),
-           jnp.zeros((DECODE_QUERY_ROWS,), jnp.float32))
+  carry = (jnp.zeros((query_rows, head_dim_p), jnp.float32),
+           jnp.full((query_rows,), NEG_INF, jnp.float32),
+           jnp.zeros((query_rows,), jnp.float32))
   # The hot loop runs over whole tiles with no masks at all; only the sequence's last,
   # partial tile pays for them (the article's split of the causal loop, applied to the
   # length). A chunk past the end runs zero trips of both loops and loads nothing.
@@ -134,7 +142,7 @@ def _split_kv_kernel(
   out = acc / jnp.where(nonempty, l_i, 1.0)[:, None]
   lse2 = jnp.where(nonempty, m_i + jnp.log2(jnp.where(nonempty, l_i, 1.0)), NEG_INF)
   out_mask = mask2d(rows < group, col_ok)
-  head_rows = pl.ds(h * group, DECODE_QUERY_ROWS)
+  head_rows = pl.ds(head0, query_rows)
   if final:
     store(o_ref.at[b, head_rows, pl.ds(0, head_dim_p)], out.astype(o_ref.dtype), mask=out_mask)
     store(lse_ref.at[b, head_rows], lse2 * LN_2, mask=rows < group)
@@ -255,7 +263,11 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
                      jnp.full((batch, 1, num_heads), NEG_INF, jnp.float32))
     return (jnp.zeros((batch, num_heads, head_dim), out_dtype),
             jnp.full((batch, num_heads), NEG_INF, jnp.float32))
-  chunk, splits = chunking(num_splits, batch, kv_heads, capacity, config.block_k)
+  group = num_heads // kv_heads
+  query_rows = configs.decode_query_rows(group, config, head_dim, k_rows.dtype)
+  row_blocks = pl.cdiv(group, query_rows)  # 1 unless the group has more than query_rows heads
+  # Programs per sequence: one per (KV head, row block), before the chunks multiply them.
+  chunk, splits = chunking(num_splits, batch, kv_heads * row_blocks, capacity, config.block_k)
   final = splits == 1 and merge
   if final:  # one chunk: the kernel writes the answer itself and no combine runs
     out_shape = [jax.ShapeDtypeStruct((batch, num_heads, head_dim), out_dtype),
@@ -265,7 +277,8 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
                  jax.ShapeDtypeStruct((batch, splits, num_heads), jnp.float32)]
   fp32 = jnp.dtype(k_rows.dtype) == jnp.float32
   kernel = functools.partial(
-      _split_kv_kernel, tile_index=tile_index, group=num_heads // kv_heads, head_dim=head_dim,
+      _split_kv_kernel, tile_index=tile_index, group=group, query_rows=query_rows,
+      row_blocks=row_blocks, head_dim=head_dim,
       block_k=config.block_k, chunk=chunk, capacity=capacity, qk_scale=scale * LOG2_E,
       final=final, precision=lax.Precision.HIGHEST if fp32 else None)
   if table is None:
@@ -274,7 +287,7 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
   with quiet():
     out, lse = pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads, splits),
+        grid=(batch, kv_heads * row_blocks, splits),
         out_shape=out_shape,
         compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,

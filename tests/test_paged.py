@@ -298,3 +298,29 @@ def test_paged_kv_write_bad_inputs():
   with pytest.raises(ValueError, match=r"new_lengths.*\(2,\)"):
     paged_kv_write(pages, pages, table, starts, jnp.zeros((2, 3, 2, 16)), jnp.zeros((2, 3, 2, 16)),
                    jnp.zeros((3,), jnp.int32))
+
+
+# group -> (KV heads, page size): groups past 16 heads take 32- or 64-row tiles, past 64 several
+# programs per KV head; pages smaller (gathered tiles) and larger (slices of a page) than a tile.
+GQA_GROUPS = {2: (2, 8), 6: (1, 32), 16: (1, 8), 17: (2, 32), 24: (2, 8), 32: (1, 32), 64: (2, 8),
+              128: (1, 32)}
+
+
+@pytest.mark.parametrize("group", list(GQA_GROUPS), ids=[f"g{g}" for g in GQA_GROUPS])
+def test_every_gqa_ratio(group, interpret, rng):
+  """Every query head of every group is written and right, through scattered pages."""
+  kv_heads, page = GQA_GROUPS[group]
+  batch, max_pages = 2, 64 // page
+  lengths = [61, 0] if group % 2 else [64, 23]
+  q = random_array(rng, (batch, 1, group * kv_heads, 64), BF16)
+  k_pages = random_array(rng, (batch * max_pages + 1, page, kv_heads, 64), BF16)
+  v_pages = random_array(rng, (batch * max_pages + 1, page, kv_heads, 64), BF16)
+  table, clean_table = _make_table(rng, "scattered", batch, batch * max_pages + 1, max_pages, page, lengths)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  if not interpret:
+    _poison(q)
+  out, lse = paged_decode_attention(q, k_pages, v_pages, lengths, jnp.asarray(table), num_splits=2,
+                                    config=DecodeConfig(16), return_residual=True, interpret=interpret)
+  ref_out, ref_lse = _reference(q, k_pages, v_pages, lengths, clean_table)
+  assert_close(out, ref_out, BF16)
+  assert_close(lse, ref_lse, jnp.float32, what="lse")
