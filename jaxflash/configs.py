@@ -93,7 +93,8 @@ _DECODE = {
     ("ampere", 2): [D(64, 4, 4), D(64, 4, 2), D(32, 4, 2)],
 }
 # The paged kernel's K/V addresses come from a table load, a dependent load that costs the
-# software pipeline one stage of lookahead (the article): its configs carry one stage more.
+# software pipeline one stage of lookahead (Writing an Attention Kernel, Step 5): its configs
+# carry one stage more.
 _PAGED = {
     ("hopper", 2): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],
     ("ada", 2): [D(32, 4, 5), D(32, 4, 3)],
@@ -182,8 +183,9 @@ def num_splits(batch: int, kv_heads: int, capacity: int, info: DeviceInfo | None
 
   One program runs per (sequence, KV head, chunk). Batch x KV heads programs already
   exist; chunks multiply them until the SMs are filled once (rounded down to a power of
-  two: on the article's 24-SM laptop GPU that is its best 8 chunks for batch 1 and 2 KV
-  heads), but never so many that a chunk holds fewer than MIN_CHUNK_TOKENS tokens.
+  two: on the 24-SM laptop GPU of "Writing an Attention Kernel: FlashAttention and Decode
+  in Triton" that is its best 8 chunks for batch 1 and 2 KV heads), but never so many that
+  a chunk holds fewer than MIN_CHUNK_TOKENS tokens.
   """
   info = info or device_info()
   programs = max(1, batch * kv_heads)

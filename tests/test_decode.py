@@ -16,7 +16,7 @@ import pytest
 
 import jaxflash
 from jaxflash.configs import DecodeConfig
-from jaxflash.decode import (_combine, decode_attention, decode_attention_reference,
+from jaxflash.decode import (_combine, _decode_attention, decode_attention, decode_attention_reference,
                              decode_combine_reference)
 from tests.conftest import assert_close, poison_allocator, random_array
 from tests.reference_np import attention_f64
@@ -100,12 +100,12 @@ def test_lengths_change_without_recompiling(interpret, rng):
   q, k, v = _inputs(rng, batch, capacity, heads, kv_heads, head_dim, dtype)
   call = functools.partial(decode_attention, num_splits=splits, config=config, interpret=interpret)
   call(q, k, v, jnp.asarray([3, 4], jnp.int32)).block_until_ready()
-  compiled = decode_attention._cache_size()
+  compiled = _decode_attention._cache_size()
   for lengths in ([0, 130], [77, 31], [129, 1]):
     out = call(q, k, v, jnp.asarray(lengths, jnp.int32))
     ref, _ = attention_f64(q, k, v, kv_lengths=np.asarray(lengths))
     assert_close(out, ref, dtype)
-  assert decode_attention._cache_size() == compiled
+  assert _decode_attention._cache_size() == compiled
 
 
 def test_combine_matches_reference(interpret, rng):

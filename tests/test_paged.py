@@ -17,8 +17,8 @@ from jax.experimental import checkify
 import jaxflash
 from jaxflash import reference
 from jaxflash.configs import DecodeConfig
-from jaxflash.paged import (block_table_is_valid, gather_pages, paged_decode_attention,
-                            paged_decode_attention_reference, paged_kv_write)
+from jaxflash.paged import (_paged_decode_attention, block_table_is_valid, gather_pages,
+                            paged_decode_attention, paged_decode_attention_reference, paged_kv_write)
 from tests.conftest import assert_close, random_array
 from tests.reference_np import attention_f64, gather_pages_np
 from tests.test_decode import _poison, cache_sized_data_movement
@@ -118,13 +118,13 @@ def test_lengths_and_table_change_without_recompiling(interpret, rng):
   q, k_pages, v_pages, _, _, _ = _case_inputs(rng, case)
   call = functools.partial(paged_decode_attention, num_splits=splits, config=config, interpret=interpret)
   call(q, k_pages, v_pages, jnp.asarray([1, 2], jnp.int32), jnp.zeros((2, 4), jnp.int32)).block_until_ready()
-  compiled = paged_decode_attention._cache_size()
+  compiled = _paged_decode_attention._cache_size()
   for lengths in ([0, 256], [64, 191]):
     table, clean_table = _make_table(rng, "random", 2, 8, 4, 64, lengths)
     out = call(q, k_pages, v_pages, jnp.asarray(lengths, jnp.int32), jnp.asarray(table))
     ref, _ = _reference(q, k_pages, v_pages, lengths, clean_table)
     assert_close(out, ref, FP16)
-  assert paged_decode_attention._cache_size() == compiled
+  assert _paged_decode_attention._cache_size() == compiled
 
 
 def test_through_attention(rng):
