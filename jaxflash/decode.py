@@ -88,11 +88,10 @@ def chunk_bounds(length, c, *, chunk: int, block_k: int, window_left: int | None
   tokens [start, start + num_tokens). Past the range num_tokens is 0: nothing is loaded.
   """
   if window_left is None:
-    lo = first = 0
+    lo, start = 0, c * chunk
   else:
     lo = jnp.maximum(length - 1 - window_left, 0)
-    first = lo - lax.rem(lo, block_k)
-  start = first + c * chunk
+    start = lo - lax.rem(lo, block_k) + c * chunk
   return lo, start, jnp.clip(length - start, 0, chunk)
 
 

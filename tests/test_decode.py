@@ -240,9 +240,11 @@ def test_bad_inputs(changes, error, message):
 # more than 64 several programs per KV head (jaxflash.configs.decode_query_rows).
 # --------------------------------------------------------------------------------------
 
-# group -> KV heads: two KV heads where a group spans several row blocks or a padded tile,
+# group -> KV heads: two KV heads where a group spans a padded tile or several row blocks (96:
+# a full block of 64 rows and a padded one of 32 heads),
 # so the row-block index of the second KV head is exercised too.
-GQA_GROUPS = {1: 3, 2: 2, 3: 2, 4: 1, 5: 2, 6: 1, 7: 1, 8: 2, 16: 1, 17: 2, 24: 2, 32: 1, 64: 2, 128: 1}
+GQA_GROUPS = {1: 3, 2: 2, 3: 2, 4: 1, 5: 2, 6: 1, 7: 1, 8: 2, 16: 1, 17: 2, 24: 2, 32: 1, 64: 2, 96: 2,
+              128: 1}
 
 
 @pytest.mark.parametrize("group", list(GQA_GROUPS), ids=[f"g{g}" for g in GQA_GROUPS])
