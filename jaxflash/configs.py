@@ -25,6 +25,10 @@ from jaxflash.device import DeviceInfo, device_info
 
 RESERVE_BYTES = 2 * 1024
 DECODE_QUERY_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to it
+# Most query rows one decode program holds: a KV group of more heads (multi-query models,
+# 32 or 128 heads on one KV head) is split over ceil(G / rows) programs, each re-reading the
+# group's K/V (from L2 when they run together) rather than carrying a [G, H] accumulator.
+DECODE_MAX_QUERY_ROWS = 64
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -58,8 +62,8 @@ class DecodeConfig:
   num_warps: int = 4
   num_stages: int = 2
 
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    return _smem_bytes(DECODE_QUERY_ROWS, self.block_k, self.num_stages, head_dim, itemsize)
+  def smem_bytes(self, head_dim: int, itemsize: int, query_rows: int = DECODE_QUERY_ROWS) -> int:
+    return _smem_bytes(query_rows, self.block_k, self.num_stages, head_dim, itemsize)
 
 
 P, D = PrefillConfig, DecodeConfig
@@ -89,7 +93,8 @@ _DECODE = {
     ("ampere", 2): [D(64, 4, 4), D(64, 4, 2), D(32, 4, 2)],
 }
 # The paged kernel's K/V addresses come from a table load, a dependent load that costs the
-# software pipeline one stage of lookahead (the article): its configs carry one stage more.
+# software pipeline one stage of lookahead (Writing an Attention Kernel, Step 5): its configs
+# carry one stage more.
 _PAGED = {
     ("hopper", 2): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],
     ("ada", 2): [D(32, 4, 5), D(32, 4, 3)],
@@ -147,6 +152,19 @@ def decode_config(head_dim: int, dtype, info: DeviceInfo | None = None, *, paged
   return _first_fit([*table, *_DECODE_LAST], head_dim, itemsize, info, "decode")
 
 
+def decode_query_rows(group: int, config: DecodeConfig, head_dim: int, dtype,
+                      info: DeviceInfo | None = None) -> int:
+  """Query rows of one decode program for KV groups of `group` heads: the group padded to a
+  power of two >= DECODE_QUERY_ROWS, at most DECODE_MAX_QUERY_ROWS and no more than `config`
+  leaves room for in shared memory. Groups of up to 16 heads get 16 rows, as they always did."""
+  info = info or device_info()
+  itemsize = jnp.dtype(dtype).itemsize
+  rows = min(max(DECODE_QUERY_ROWS, 1 << (max(group, 1) - 1).bit_length()), DECODE_MAX_QUERY_ROWS)
+  while rows > DECODE_QUERY_ROWS and config.smem_bytes(head_dim, itemsize, rows) > info.smem_per_block:
+    rows //= 2
+  return rows
+
+
 def all_configs():
   """Every (generation, config) the tables can pick: for the tests' budget checks."""
   for (gen, *_), candidates in _PREFILL.items():
@@ -165,8 +183,9 @@ def num_splits(batch: int, kv_heads: int, capacity: int, info: DeviceInfo | None
 
   One program runs per (sequence, KV head, chunk). Batch x KV heads programs already
   exist; chunks multiply them until the SMs are filled once (rounded down to a power of
-  two: on the article's 24-SM laptop GPU that is its best 8 chunks for batch 1 and 2 KV
-  heads), but never so many that a chunk holds fewer than MIN_CHUNK_TOKENS tokens.
+  two: on the 24-SM laptop GPU of "Writing an Attention Kernel: FlashAttention and Decode
+  in Triton" that is its best 8 chunks for batch 1 and 2 KV heads), but never so many that
+  a chunk holds fewer than MIN_CHUNK_TOKENS tokens.
   """
   info = info or device_info()
   programs = max(1, batch * kv_heads)

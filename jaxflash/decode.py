@@ -1,7 +1,8 @@
 """Split-KV decode attention (Flash-Decoding) over a contiguous KV cache.
 
 One query token per sequence reads the whole cache once, so decode is bound by memory
-bandwidth, not FLOPs (the article, Step 3: ~6 FLOPs per byte at any length). One program
+bandwidth, not FLOPs ("Writing an Attention Kernel: FlashAttention and Decode in Triton",
+Step 3: ~6 FLOPs per byte at any length). One program
 per (sequence, KV head) would leave most SMs idle at small batch, so the cache is cut into
 chunks along the sequence (Flash-Decoding, Dao et al. 2023): one program per
 (sequence, KV head, chunk) runs FlashAttention's online softmax over its chunk and writes a
@@ -10,6 +11,12 @@ chunks by their share of the softmax mass, exp(LSE_i - LSE).
 
 The kernel body here is shared with the paged kernel (jaxflash/paged.py): both differ only in
 how a tile of tokens is addressed.
+
+Options (bias, mask, sliding window, logit soft-cap, sinks, traced scale) are optional refs
+and static flags: an absent one is a None ref and compiles out, so a call without options
+runs the kernel it always ran. A window moves the chunks, not just the mask: they cover only
+the tiles the window touches (`chunking`, `chunk_bounds`). A KV group of G query heads is
+one tile of max(16, 2^ceil(log2 G)) rows up to 64 rows, several programs past that.
 """
 from __future__ import annotations
 
@@ -18,12 +25,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxflash import _checks, configs
 from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_masked, mask2d, pl, quiet, store,
                               use_interpret)
-from jaxflash.configs import DECODE_QUERY_ROWS, DecodeConfig
+from jaxflash.configs import DecodeConfig
 from jaxflash.reference import attention_reference
 
 NEG_INF = float("-inf")
@@ -37,6 +45,8 @@ class SplitKV(NamedTuple):
   the share 2^(lse2_i - LSE2) of the softmax mass, LSE2 = log2(sum_i 2^lse2_i), so the
   attention output is the sum of the chunks' outputs weighted by those shares
   (`decode_combine_reference`; `jaxflash.project_split_kv` merges and projects in one kernel).
+  With `sinks`, the last chunk is the sink's: out 0 and lse2 = sinks[n] * log2(e), so any
+  merge of the chunks counts the sink in the denominator once and LSE2 includes it.
   """
 
   out: jax.Array
@@ -47,86 +57,182 @@ class SplitKV(NamedTuple):
 # Kernel pieces shared with the paged kernel.
 # --------------------------------------------------------------------------------------
 
-def _attend_tile(carry, q, k, v, *, qk_scale: float, key_ok, precision):
+def _attend_tile(carry, s, v, *, visible, may_be_empty: bool, precision):
   """One step of the online softmax (FlashAttention-2, Alg. 1) in base 2.
 
-  q [16, Hp] (one KV group's query heads, padded), k/v [block_k, Hp]; the running max
-  m and sum l are in log2 units because `qk_scale` folds in log2(e), so every exponential
-  is the GPU's native exp2 (the article, Step 2). `key_ok` [block_k] masks the keys past
-  the sequence's end; it is None for the full tiles of the hot loop.
+  s [R, block_k] the scores of R query heads of one KV group in log2 units (the scale folds
+  in log2(e), so every exponential is the GPU's native exp2: Writing an Attention Kernel,
+  Step 2); v [block_k, Hp]. `visible` (broadcastable to s; None in the hot loop's full tiles) masks keys
+  past the sequence's end, outside the window or masked out. Without a mask or bias every
+  tile holds a visible key, so m_new is finite; with one (`may_be_empty`) a row may see no
+  key of a tile yet, and its exponentials are taken against 0 instead of -inf (no NaN).
   """
-  acc, m_i, l_i = carry  # [16, Hp] f32, [16] f32, [16] f32
-  # Scale the fp32 scores, not the bf16 query: scaling q in bf16 costs accuracy (the article).
-  s = dot(q, k, trans_b=True, precision=precision) * qk_scale  # [16, block_k]
-  if key_ok is not None:
-    s = jnp.where(key_ok[None, :], s, NEG_INF)
-  # Every tile holds at least one valid key, so m_new is finite and no exp2(-inf + inf) arises.
+  acc, m_i, l_i = carry  # [R, Hp] f32, [R] f32, [R] f32
+  if visible is not None:
+    s = jnp.where(visible, s, NEG_INF)
   m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-  alpha = jnp.exp2(m_i - m_new)
-  p = jnp.exp2(s - m_new[:, None])
+  m_ref = jnp.where(m_new == NEG_INF, 0.0, m_new) if may_be_empty else m_new
+  alpha = jnp.exp2(m_i - m_ref)
+  p = jnp.exp2(s - m_ref[:, None])
   l_i = l_i * alpha + jnp.sum(p, axis=1)
   acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
   return acc, m_new, l_i
 
 
+def chunk_bounds(length, c, *, chunk: int, block_k: int, window_left: int | None):
+  """(lo, start, num_tokens) of chunk c for a sequence of `length` valid tokens (traced).
+
+  The query sits at position length - 1 and sees keys [lo, length): lo = 0, or
+  max(0, length - 1 - left) with a window. Chunks tile that range from lo rounded down to a
+  tile (so tiles stay tile-aligned, which the paged kernel's page slices need): chunk c reads
+  tokens [start, start + num_tokens). Past the range num_tokens is 0: nothing is loaded.
+  """
+  if window_left is None:
+    lo, start = 0, c * chunk
+  else:
+    lo = jnp.maximum(length - 1 - window_left, 0)
+    start = lo - lax.rem(lo, block_k) + c * chunk
+  return lo, start, jnp.clip(length - start, 0, chunk)
+
+
+def _option_tile(ref, full, b, head0, tok0, rows_ok, key_ok, *, query_rows: int, block_k: int, other):
+  """A bias or mask ref [B or 1, N or 1, S or 1] -> what sequence b's query heads head0.. and
+  tokens tok0.. see of it, broadcastable to [R, block_k]. `full` says which of the three axes
+  the ref spans: a broadcast axis is read at index 0 (stride 0), never expanded in memory."""
+  full_b, full_n, full_s = full
+  zero = jnp.int32(0)  # an array index: Python ints do not mix with slices in the loads
+  b = b if full_b else zero
+
+  def read(at, mask):
+    return load(at) if mask is None else load(at, mask=mask, other=other)
+
+  if full_n and full_s:
+    return read(ref.at[b, pl.ds(head0, query_rows), pl.ds(tok0, block_k)], mask2d(rows_ok, key_ok))
+  if full_n:
+    return read(ref.at[b, pl.ds(head0, query_rows), zero], rows_ok)[:, None]
+  if full_s:
+    return read(ref.at[b, zero, pl.ds(tok0, block_k)], key_ok)[None, :]
+  return ref[b, zero, zero]
+
+
 def _split_kv_kernel(
     lengths_ref,  # [B] int32
     table_ref,  # [B, max_pages] int32 (paged kernel), None (contiguous)
+    scale_ref,  # [1] float32 a traced softmax scale, None (static `scale`)
+    sinks_ref,  # [N] float32 sink logits, None
+    bias_ref,  # [B or 1, N or 1, S or 1] float, None
+    mask_ref,  # [B or 1, N or 1, S or 1] int8 (nonzero: attend), None
     q_ref,  # [B, N, H]
     k_ref,  # [B, S, K, H] cache, or [num_pages * page_size, K, H] pool rows
     v_ref,  # same as k_ref
-    o_ref,  # [B, num_splits, N, H] f32 partials, or [B, N, H] final (one split)
-    lse_ref,  # [B, num_splits, N] f32 log2 partials, or [B, N] f32 natural-log final
+    o_ref,  # [B, chunks (+1 sink chunk), N, H] f32 partials, or [B, N, H] final (one chunk)
+    lse_ref,  # [B, chunks (+1), N] f32 log2 partials, or [B, N] f32 natural-log final
     *,
     tile_index,  # (table_ref, b, h, tok0, key_ok) -> index of one K/V tile [block_k, Hp]
     group: int,
+    query_rows: int,
+    row_blocks: int,
     head_dim: int,
     block_k: int,
     chunk: int,
+    chunks: int,
     capacity: int,
-    qk_scale: float,
+    scale: float | None,
+    window_left: int | None,
+    soft_cap: float | None,
+    bias_full: tuple[bool, bool, bool] | None,
+    mask_full: tuple[bool, bool, bool] | None,
     final: bool,
     precision,
 ):
-  """One program: sequence b, KV head h, chunk c of `chunk` tokens."""
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  """One program: sequence b, KV head h (row block r of its query heads), chunk c of `chunk`
+  tokens. Every option absent (None refs, static None) compiles out."""
+  b, c = pl.program_id(0), pl.program_id(2)
+  if row_blocks == 1:  # static: a group of up to DECODE_MAX_QUERY_ROWS heads, one program
+    h, head0 = pl.program_id(1), pl.program_id(1) * group
+    rows = jnp.arange(query_rows)
+  else:  # larger groups: heads r*R.. of group h, grid axis 1 = h * row_blocks + r
+    h, r = lax.div(pl.program_id(1), row_blocks), lax.rem(pl.program_id(1), row_blocks)
+    head0 = h * group + r * query_rows
+    rows = r * query_rows + jnp.arange(query_rows)  # the rows' places in the group
   head_dim_p = configs.padded_head_dim(head_dim)
-  rows = jnp.arange(DECODE_QUERY_ROWS)
   cols = jnp.arange(head_dim_p)
   col_ok = None if head_dim_p == head_dim else cols < head_dim  # static: no mask when H is 2^k
+  rows_ok = None if group % query_rows == 0 else rows < group  # for the options' loads
+  qk_scale = scale * LOG2_E if scale_ref is None else scale_ref[0] * LOG2_E
+  may_be_empty = bias_ref is not None or mask_ref is not None
 
   # Lengths past the capacity are clamped (and negative ones read as 0): the kernel never
   # reads past the cache whatever it is given.
   length = jnp.clip(lengths_ref[b], 0, capacity)
-  start = c * chunk
-  num_tokens = jnp.clip(length - start, 0, chunk)  # 0 for chunks past the sequence's end
+  lo, start, num_tokens = chunk_bounds(length, c, chunk=chunk, block_k=block_k, window_left=window_left)
   num_full = lax.div(num_tokens, block_k)  # non-negative: C division, no floor fix-ups
   num_tiles = lax.div(num_tokens + block_k - 1, block_k)  # num_full, +1 for a ragged tail
 
-  # All query heads of KV group h (GQA by index: heads h*G .. h*G+G-1) as one 16-row tile,
-  # since tl.dot needs 16 rows; the padded rows load zeros and are never stored.
+  # The query heads of KV group h (GQA by index: heads h*G .. h*G+G-1) as one tile of
+  # R >= 16 rows, since tl.dot needs 16 rows; the padded rows load zeros and are never stored.
   q_mask = mask2d(rows < group, col_ok)
-  q = load(q_ref.at[b, pl.ds(h * group, DECODE_QUERY_ROWS), pl.ds(0, head_dim_p)],
-           mask=q_mask, other=0.0)
+  q = load(q_ref.at[b, pl.ds(head0, query_rows), pl.ds(0, head_dim_p)], mask=q_mask, other=0.0)
   q = q.astype(k_ref.dtype)
 
   def body(i, carry, *, masked: bool):
     tok0 = start + i * block_k
-    key_ok = (tok0 + jnp.arange(block_k)) < length if masked else None
+    key_ok = None
+    if masked:
+      tokens = tok0 + jnp.arange(block_k)
+      key_ok = tokens < length
+      if window_left is not None:
+        key_ok = key_ok & (tokens >= lo)
     index = tile_index(table_ref, b, h, tok0, key_ok)
     kv_mask = mask2d(key_ok, col_ok)
     k = load_masked(k_ref.at[index], kv_mask)  # [block_k, Hp]
     v = load_masked(v_ref.at[index], kv_mask)
-    return _attend_tile(carry, q, k, v, qk_scale=qk_scale, key_ok=key_ok, precision=precision)
+    # Scale the fp32 scores, not the bf16 query: scaling q in bf16 costs accuracy (Writing an
+    # Attention Kernel).
+    s = dot(q, k, trans_b=True, precision=precision) * qk_scale  # [R, block_k], log2 units
+    tile = functools.partial(_option_tile, b=b, head0=head0, tok0=tok0, rows_ok=rows_ok, key_ok=key_ok,
+                             query_rows=query_rows, block_k=block_k)
+    if bias_ref is not None:  # added to the natural-scale scores: times log2(e) here
+      s = s + tile(bias_ref, bias_full, other=0.0).astype(jnp.float32) * LOG2_E
+    if soft_cap is not None:  # cap * tanh(s / cap) on natural scores is the same in log2 units
+      cap2 = soft_cap * LOG2_E
+      s = cap2 * jnp.tanh(s * (1.0 / cap2))
+    visible = None if key_ok is None else key_ok[None, :]
+    if mask_ref is not None:
+      keep = tile(mask_ref, mask_full, other=0) != 0
+      visible = keep if visible is None else visible & keep
+    return _attend_tile(carry, s, v, visible=visible, may_be_empty=may_be_empty, precision=precision)
 
-  carry = (jnp.zeros((DECODE_QUERY_ROWS, head_dim_p), jnp.float32),
-           jnp.full((DECODE_QUERY_ROWS,), NEG_INF, jnp.float32),
-           jnp.zeros((DECODE_QUERY_ROWS,), jnp.float32))
+  carry = (jnp.zeros((query_rows, head_dim_p), jnp.float32),
+           jnp.full((query_rows,), NEG_INF, jnp.float32),
+           jnp.zeros((query_rows,), jnp.float32))
   # The hot loop runs over whole tiles with no masks at all; only the sequence's last,
-  # partial tile pays for them (the article's split of the causal loop, applied to the
-  # length). A chunk past the end runs zero trips of both loops and loads nothing.
-  carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
+  # partial tile pays for them (Writing an Attention Kernel's split of the causal loop,
+  # applied to the length), and with a window the tile where the window begins. A chunk
+  # past the end runs zero trips of every loop and loads nothing.
+  num_head = 0
+  if window_left is not None:
+    num_head = jnp.minimum((start < lo).astype(jnp.int32), num_full)
+    carry = lax.fori_loop(0, num_head, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(num_head, num_full, functools.partial(body, masked=False), carry)
   acc, m_i, l_i = lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
+
+  head_rows = pl.ds(head0, query_rows)
+  if sinks_ref is not None:
+    sink2 = load(sinks_ref.at[head_rows], mask=rows < group, other=NEG_INF) * LOG2_E  # [R]
+    if final:  # the one chunk: the sink joins its denominator here, once
+      m_new = jnp.maximum(m_i, sink2)
+      m_ref = jnp.where(m_new == NEG_INF, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_ref)
+      acc, l_i, m_i = acc * alpha[:, None], l_i * alpha + jnp.exp2(sink2 - m_ref), m_new
+    else:  # the sink is one more chunk, of no value and mass 2^sink2, that the merge adds once
+
+      @pl.when(c == 0)
+      def _():
+        slot = jnp.int32(chunks)  # an array index, as in _option_tile
+        store(o_ref.at[b, slot, head_rows, pl.ds(0, head_dim_p)],
+              jnp.zeros((query_rows, head_dim_p), jnp.float32), mask=mask2d(rows < group, col_ok))
+        store(lse_ref.at[b, slot, head_rows], sink2, mask=rows < group)
 
   # Normalise once, after the loop (FlashAttention-2 Sec. 3.1). Empty chunks (l = 0) give
   # zeros and LSE -inf: the combine gives them weight exp2(-inf) = 0.
@@ -134,7 +240,6 @@ def _split_kv_kernel(
   out = acc / jnp.where(nonempty, l_i, 1.0)[:, None]
   lse2 = jnp.where(nonempty, m_i + jnp.log2(jnp.where(nonempty, l_i, 1.0)), NEG_INF)
   out_mask = mask2d(rows < group, col_ok)
-  head_rows = pl.ds(h * group, DECODE_QUERY_ROWS)
   if final:
     store(o_ref.at[b, head_rows, pl.ds(0, head_dim_p)], out.astype(o_ref.dtype), mask=out_mask)
     store(lse_ref.at[b, head_rows], lse2 * LN_2, mask=rows < group)
@@ -182,8 +287,8 @@ def _combine_kernel(
     head_dim: int,
     block_h: int,
 ):
-  """Merges the chunks of one (sequence, query head) over dims j*block_h..: the article's
-  `decode_combine`.
+  """Merges the chunks of one (sequence, query head) over dims j*block_h..: the
+  `decode_combine` of Writing an Attention Kernel.
 
   Chunk i holds the share exp(LSE_i - LSE) of the softmax mass, so the exact output is the
   sum of the chunks' normalised outputs weighted by those shares.
@@ -225,23 +330,50 @@ def resolve_config(config: DecodeConfig | None, head_dim: int, dtype, *, paged: 
   return config
 
 
-def chunking(num_splits: int | None, batch: int, kv_heads: int, capacity: int,
-             block_k: int) -> tuple[int, int]:
+def chunking(num_splits: int | None, batch: int, programs: int, capacity: int, block_k: int,
+             window_left: int | None = None) -> tuple[int, int]:
   """(chunk tokens, chunks): chunks are whole tiles, so only a sequence's last tile is ragged.
 
-  Asking for more splits than the capacity has tiles gives one tile per chunk.
+  `programs` per sequence (KV heads x row blocks) before the chunks multiply them. Without a
+  window the chunks split the capacity. With one they split only the tiles a window of
+  left + 1 keys can touch (one more than its length in tiles, as its start falls inside a
+  tile: `chunk_bounds`), into about as many chunks as a plain decode of the window's length
+  would: a windowed call over a 128K cache launches like a 4K decode. Asking for more splits
+  than there are tiles gives one tile per chunk.
   """
+  span = max(capacity, 1) if window_left is None else min(max(capacity, 1), window_left + 1)
   if num_splits is None:
-    num_splits = configs.num_splits(batch, kv_heads, capacity)
+    num_splits = configs.num_splits(batch, programs, span)
   if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
     raise ValueError(f"num_splits must be a positive int (or None), got {num_splits!r}")
-  chunk = pl.cdiv(pl.cdiv(max(capacity, 1), num_splits), block_k) * block_k
-  return chunk, pl.cdiv(max(capacity, 1), chunk)
+  if window_left is None:
+    chunk = pl.cdiv(pl.cdiv(span, num_splits), block_k) * block_k
+    return chunk, pl.cdiv(span, chunk)
+  tiles = pl.cdiv(min(max(capacity, 1), span + block_k - 1), block_k)
+  per_chunk = max(1, (tiles + num_splits // 2) // num_splits)  # tiles per chunk, rounded to nearest
+  return per_chunk * block_k, pl.cdiv(tiles, per_chunk)
+
+
+class DecodeOptions(NamedTuple):
+  """A decode call's options as the kernel takes them (`decode_options` builds them).
+
+  bias/mask: the caller's arrays viewed as [B or 1, N or 1, S or 1] (a broadcast axis stays
+  of size 1: the kernel reads it with stride 0); mask as int8. scale: a traced scale as
+  float32 [1], or None with `static_scale` a Python float. sinks: float32 [N].
+  """
+
+  bias: jax.Array | None = None
+  mask: jax.Array | None = None
+  scale: jax.Array | None = None
+  sinks: jax.Array | None = None
+  static_scale: float | None = None
+  window_left: int | None = None
+  soft_cap: float | None = None
 
 
 def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_dtype, kv_heads: int,
-                    capacity: int, scale: float, num_splits: int | None, config: DecodeConfig,
-                    interpret: bool, name: str, merge: bool = True):
+                    capacity: int, options: DecodeOptions, num_splits: int | None,
+                    config: DecodeConfig, interpret: bool, name: str, merge: bool = True):
   """Runs the split-KV kernel and, with more than one chunk, the combine.
 
   query3 [B, N, H]; k_rows/v_rows the caches as the kernel indexes them.
@@ -249,42 +381,57 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
   the chunks' SplitKV instead (even for one chunk).
   """
   batch, num_heads, head_dim = query3.shape
-  if capacity == 0:  # an empty cache: nothing to attend to
-    if not merge:
-      return SplitKV(jnp.zeros((batch, 1, num_heads, head_dim), jnp.float32),
-                     jnp.full((batch, 1, num_heads), NEG_INF, jnp.float32))
-    return (jnp.zeros((batch, num_heads, head_dim), out_dtype),
-            jnp.full((batch, num_heads), NEG_INF, jnp.float32))
-  chunk, splits = chunking(num_splits, batch, kv_heads, capacity, config.block_k)
+  window_left = options.window_left
+  if window_left is not None and window_left + 1 >= capacity:
+    window_left = None  # the window holds the whole cache: nothing to cut
+  if capacity == 0:  # an empty cache: nothing to attend to but the sinks
+    return _empty(batch, num_heads, head_dim, out_dtype, options.sinks, merge=merge)
+  group = num_heads // kv_heads
+  query_rows = configs.decode_query_rows(group, config, head_dim, k_rows.dtype)
+  row_blocks = pl.cdiv(group, query_rows)  # 1 unless the group has more than query_rows heads
+  # Programs per sequence: one per (KV head, row block), before the chunks multiply them.
+  chunk, splits = chunking(num_splits, batch, kv_heads * row_blocks, capacity, config.block_k,
+                           window_left)
   final = splits == 1 and merge
+  # With sinks, the partials carry one more chunk: the sink's (see the kernel).
+  slots = splits + int(options.sinks is not None)
   if final:  # one chunk: the kernel writes the answer itself and no combine runs
     out_shape = [jax.ShapeDtypeStruct((batch, num_heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, num_heads), jnp.float32)]
   else:
-    out_shape = [jax.ShapeDtypeStruct((batch, splits, num_heads, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, splits, num_heads), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((batch, slots, num_heads, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, slots, num_heads), jnp.float32)]
   fp32 = jnp.dtype(k_rows.dtype) == jnp.float32
+  full = lambda x: None if x is None else tuple(d > 1 for d in x.shape)  # noqa: E731
   kernel = functools.partial(
-      _split_kv_kernel, tile_index=tile_index, group=num_heads // kv_heads, head_dim=head_dim,
-      block_k=config.block_k, chunk=chunk, capacity=capacity, qk_scale=scale * LOG2_E,
+      _split_kv_kernel, tile_index=tile_index, group=group, query_rows=query_rows,
+      row_blocks=row_blocks, head_dim=head_dim, block_k=config.block_k, chunk=chunk, chunks=splits,
+      capacity=capacity, scale=options.static_scale, window_left=window_left,
+      soft_cap=options.soft_cap, bias_full=full(options.bias), mask_full=full(options.mask),
       final=final, precision=lax.Precision.HIGHEST if fp32 else None)
-  if table is None:
-    kernel = _without_table(kernel)
-  inputs = (lengths, query3, k_rows, v_rows) if table is None else (lengths, table, query3, k_rows, v_rows)
   with quiet():
     out, lse = pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads, splits),
+        grid=(batch, kv_heads * row_blocks, splits),
         out_shape=out_shape,
         compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=name,
-    )(*inputs)
+    )(lengths, table, options.scale, options.sinks, options.bias, options.mask, query3, k_rows, v_rows)
   if final:
     return out, lse
   if not merge:
     return SplitKV(out, lse)
   return _combine(out, lse, out_dtype=out_dtype, interpret=interpret)
+
+
+def _empty(batch: int, num_heads: int, head_dim: int, out_dtype, sinks, *, merge: bool):
+  """The answer over an empty cache: zeros, and an LSE of -inf (the sink's logit with sinks)."""
+  lse = (jnp.full((batch, num_heads), NEG_INF, jnp.float32) if sinks is None
+         else jnp.broadcast_to(sinks, (batch, num_heads)))
+  if not merge:
+    return SplitKV(jnp.zeros((batch, 1, num_heads, head_dim), jnp.float32), lse[:, None] * LOG2_E)
+  return jnp.zeros((batch, num_heads, head_dim), out_dtype), lse
 
 
 def public_outputs(out, *, return_residual: bool):
@@ -294,12 +441,6 @@ def public_outputs(out, *, return_residual: bool):
     return out
   out, lse = out
   return (out[:, None], lse[:, None]) if return_residual else out[:, None]
-
-
-def _without_table(kernel):
-  def contiguous_kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
-    kernel(lengths_ref, None, q_ref, k_ref, v_ref, o_ref, lse_ref)
-  return contiguous_kernel
 
 
 def _combine(o_part, lse_part, *, out_dtype, interpret: bool):
@@ -345,10 +486,96 @@ def check_return_flags(return_residual: bool, return_partials: bool) -> None:
                      "SplitKV carries their log-sum-exps")
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "num_splits", "return_residual", "return_partials", "config",
-                              "interpret"))
-def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, scale=None,
+def split_scale(scale):
+  """scale -> (static float or None, traced float32 [1] or None). A Python or NumPy number
+  stays static (a constant in the kernel, as before options existed); a JAX array or tracer
+  becomes an operand, so new values never recompile."""
+  if scale is None:
+    return None, None
+  if isinstance(scale, bool) or not (isinstance(scale, (int, float, np.number, np.ndarray))
+                                     or hasattr(scale, "dtype")):
+    raise TypeError(f"scale must be a number or a scalar array, got {type(scale).__name__}")
+  if np.size(scale) != 1 or not jnp.issubdtype(jnp.result_type(scale), jnp.number):
+    raise ValueError(f"scale must be a real scalar, got shape {np.shape(scale)} and dtype "
+                     f"{jnp.result_type(scale)}")
+  if isinstance(scale, (int, float, np.number, np.ndarray)):
+    return float(np.asarray(scale).reshape(())), None
+  return None, jnp.asarray(scale, jnp.float32).reshape(1)
+
+
+def check_window(local_window_size):
+  """None, an int w (= (w, w)) or (left, right) ints >= 0 -> None or (left, right)."""
+  if local_window_size is None:
+    return None
+  window = ((local_window_size, local_window_size) if isinstance(local_window_size, (int, np.integer))
+            else tuple(local_window_size) if isinstance(local_window_size, (tuple, list)) else None)
+  if (window is None or len(window) != 2
+      or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window)):
+    raise ValueError(f"local_window_size must be None, an int >= 0 or a (left, right) pair of ints >= 0, "
+                     f"got {local_window_size!r}")
+  return int(window[0]), int(window[1])
+
+
+def check_soft_cap(logits_soft_cap):
+  if logits_soft_cap is None:
+    return None
+  if (isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float, np.number))
+      or not 0 < float(logits_soft_cap) < float("inf")):
+    raise ValueError(f"logits_soft_cap must be None or a positive finite number, got {logits_soft_cap!r}")
+  return float(logits_soft_cap)
+
+
+def _broadcast_view(name: str, x, target: tuple[int, int, int, int], *, boolean: bool):
+  """bias/mask broadcastable to target [B, N, 1, S] -> [B or 1, N or 1, S or 1], no copy
+  (a mask is converted to int8 at its own size)."""
+  if x is None:
+    return None
+  if not hasattr(x, "dtype"):
+    x = jnp.asarray(x)
+  if boolean and jnp.dtype(x.dtype) != jnp.bool_:
+    raise TypeError(f"{name} must be a boolean array (True = attend), got shape {tuple(x.shape)} and "
+                    f"dtype {jnp.dtype(x.dtype).name}")
+  if not boolean and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a float array, got shape {tuple(x.shape)} and dtype "
+                    f"{jnp.dtype(x.dtype).name}")
+  shape = tuple(x.shape)
+  if len(shape) > 4 or any(d not in (1, t) for d, t in zip(shape[::-1], target[::-1])):
+    raise ValueError(f"{name} must be broadcastable to [B, N, 1, S] = {list(target)} (S the capacity), "
+                     f"got {name} of shape {shape}")
+  x = x.reshape((1,) * (4 - len(shape)) + shape)
+  x = x.reshape(x.shape[0], x.shape[1], x.shape[3])
+  return x.astype(jnp.int8) if boolean else x
+
+
+def decode_options(query, capacity: int, *, bias, mask, traced_scale, scale, sinks, local_window_size,
+                   logits_soft_cap) -> DecodeOptions:
+  """Checks a decode call's options (trace time, naming the argument and its shape)."""
+  batch, _, num_heads, head_dim = query.shape
+  target = (batch, num_heads, 1, capacity)
+  if sinks is not None:
+    if not hasattr(sinks, "dtype"):
+      sinks = jnp.asarray(sinks)
+    if tuple(sinks.shape) != (num_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise ValueError(f"sinks must be a float array of shape ({num_heads},) (one logit per query "
+                       f"head), got shape {tuple(sinks.shape)} and dtype {jnp.dtype(sinks.dtype).name}")
+    sinks = sinks.astype(jnp.float32)
+  window = check_window(local_window_size)
+  return DecodeOptions(
+      bias=_broadcast_view("bias", bias, target, boolean=False),
+      mask=_broadcast_view("mask", mask, target, boolean=True),
+      scale=traced_scale, sinks=sinks,
+      static_scale=None if traced_scale is not None else _checks.default_scale(scale, head_dim),
+      window_left=None if window is None else window[0],
+      soft_cap=check_soft_cap(logits_soft_cap))
+
+
+# Static arguments of the jitted decode functions, after `split_scale` took a traced scale out.
+STATIC_ARGNAMES = ("scale", "local_window_size", "logits_soft_cap", "num_splits", "return_residual",
+                   "return_partials", "config", "interpret")
+
+
+def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, bias=None, mask=None,
+                     scale=None, local_window_size=None, logits_soft_cap=None, sinks=None,
                      num_splits=None, return_residual=False, return_partials=False,
                      config: DecodeConfig | None = None, interpret: bool | None = None):
   """Attention of one new token per sequence over a KV cache, split-KV (Flash-Decoding).
@@ -356,16 +583,39 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, sca
   query [B, 1, N, H]; k_cache, v_cache [B, S, K, H] (S = capacity) read in place;
   key_value_seq_lengths [B] int32 valid tokens per sequence (None: all S; values are
   traced, so changing them never recompiles; they are clamped to [0, S]). N must be a
-  multiple of K (query head n reads KV head n // (N // K)). The query is cast to the
-  caches' dtype for the matmuls, which accumulate in fp32.
+  multiple of K (query head n reads KV head n // (N // K)), any ratio. The query is cast to
+  the caches' dtype for the matmuls, which accumulate in fp32. The query sits at position
+  length - 1: it sees every valid key unless the options below say otherwise.
 
-  num_splits: chunks per sequence (default `jaxflash.num_splits(B, K, S)`); config: tiles
-  (default `jaxflash.decode_config(H, dtype)`); interpret: Pallas interpret mode (default:
-  when no GPU). Returns out [B, 1, N, H] in the query's dtype, and with
-  `return_residual=True` also lse [B, 1, N] float32 (natural log; -inf for length 0,
-  whose output is zeros). With `return_partials=True` the chunks are not merged: their
-  SplitKV comes back instead, for `jaxflash.project_split_kv`.
+  Options (semantics of `jaxflash.attention_reference` with T = 1; each absent one costs nothing):
+    bias [B, N, 1, S]-broadcastable float, added to the scaled scores; mask likewise, bool,
+    True = attend (both read tile by tile; broadcast axes are never expanded in memory).
+    scale: a number (compiled in; default H ** -0.5) or a JAX scalar (traced: new values do
+    not recompile). local_window_size: w or (left, right): keys [length - 1 - left, length)
+    (right cannot reach past the query, the last valid key); only the window's part of the
+    cache is read and split over the SMs. logits_soft_cap: scores become cap * tanh(s / cap)
+    after the bias. sinks [N]: a logit per query head in the softmax's denominator only.
+
+  num_splits: chunks per sequence (default `jaxflash.num_splits(B, K, S)`, S the window's
+  length with a window); config: tiles (default `jaxflash.decode_config(H, dtype)`);
+  interpret: Pallas interpret mode (default: when no GPU). Returns out [B, 1, N, H] in the
+  query's dtype, and with `return_residual=True` also lse [B, 1, N] float32 (natural log,
+  sink included; -inf for a row that sees no key, whose output is zeros, or the sink's
+  logit with sinks). With `return_partials=True` the chunks are not merged: their SplitKV
+  comes back instead (with sinks its last chunk is the sink's), for `jaxflash.project_split_kv`.
   """
+  static_scale, traced_scale = split_scale(scale)
+  return _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks,
+                           scale=static_scale, local_window_size=check_window(local_window_size),
+                           logits_soft_cap=check_soft_cap(logits_soft_cap), num_splits=num_splits,
+                           return_residual=return_residual, return_partials=return_partials,
+                           config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
+def _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks, *,
+                      scale, local_window_size, logits_soft_cap, num_splits, return_residual,
+                      return_partials, config, interpret):
   check_return_flags(return_residual, return_partials)
   _checks.check_qkv(query, k_cache, v_cache, key_name="k_cache", value_name="v_cache")
   batch, capacity, kv_heads, head_dim = k_cache.shape
@@ -373,31 +623,39 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, sca
   lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   if lengths is None:
     lengths = jnp.full((batch,), capacity, jnp.int32)
-  scale = _checks.default_scale(scale, head_dim)
+  options = decode_options(query, capacity, bias=bias, mask=mask, traced_scale=traced_scale, scale=scale,
+                           sinks=sinks, local_window_size=local_window_size,
+                           logits_soft_cap=logits_soft_cap)
   config = resolve_config(config, head_dim, k_cache.dtype, paged=False)
   num_heads = query.shape[2]
 
   out = launch_split_kv(
       lengths, None, query.reshape(batch, num_heads, head_dim), k_cache, v_cache,
       tile_index=_contiguous_tile(config.block_k, configs.padded_head_dim(head_dim)),
-      out_dtype=query.dtype, kv_heads=kv_heads, capacity=capacity, scale=scale,
+      out_dtype=query.dtype, kv_heads=kv_heads, capacity=capacity, options=options,
       num_splits=num_splits, config=config, interpret=use_interpret(interpret), name="jaxflash_decode",
       merge=not return_partials)
   return public_outputs(out, return_residual=return_residual)
 
 
-def decode_attention_reference(query, k_cache, v_cache, key_value_seq_lengths=None, *, scale=None):
+def decode_attention_reference(query, k_cache, v_cache, key_value_seq_lengths=None, *, bias=None,
+                               mask=None, scale=None, local_window_size=None, logits_soft_cap=None,
+                               sinks=None):
   """Plain-JAX decode with the same semantics (materialises the scores): for checking."""
   batch, capacity = k_cache.shape[:2]
   lengths = (jnp.full((batch,), capacity, jnp.int32) if key_value_seq_lengths is None
              else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity))
-  return attention_reference(query, k_cache, v_cache, scale=_checks.default_scale(scale, query.shape[-1]),
-                             key_value_seq_lengths=lengths)
+  return attention_reference(query, k_cache, v_cache, bias, mask,
+                             scale=query.shape[-1] ** -0.5 if scale is None else scale,
+                             key_value_seq_lengths=lengths, local_window_size=check_window(local_window_size),
+                             logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 def decode_combine_reference(o_part, lse_part):
   """Plain-JAX merge of chunk results: o_part [..., splits, H], lse_part [..., splits]
-  (natural log) -> (out [..., H], lse [...]); the math of the combine kernel."""
+  (natural log) -> (out [..., H], lse [...]); the math of the combine kernel. A SplitKV with
+  sinks merges right as it is: its last chunk, of zeros and the sink's logit, puts the sink
+  in the denominator once."""
   lse = jax.nn.logsumexp(lse_part, axis=-1)
   w = jnp.exp(lse_part - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
   return jnp.sum(w[..., None] * o_part, axis=-2), lse

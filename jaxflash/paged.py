@@ -1,9 +1,11 @@
 """Paged decode attention: the split-KV kernel reading the cache through a block table.
 
-The pool is [num_pages, page_size, K, H] (FlashAttention's paged layout, the article's
-Step 5) and sequence b's logical page j lives at physical page block_table[b, j]. The
-kernel is jaxflash/decode.py's with one change, the address arithmetic: the pool is viewed
-as rows [num_pages * page_size, K, H] (a free reshape) and token t of sequence b sits at row
+The pool is [num_pages, page_size, K, H] (FlashAttention's paged layout; "Writing an
+Attention Kernel: FlashAttention and Decode in Triton", Step 5; PagedAttention: "Efficient
+Memory Management for Large Language Model Serving with PagedAttention") and sequence b's
+logical page j lives at physical page block_table[b, j]. The kernel is jaxflash/decode.py's
+with one change, the address arithmetic: the pool is viewed as rows
+[num_pages * page_size, K, H] (a free reshape) and token t of sequence b sits at row
 block_table[b, t // page_size] * page_size + t % page_size.
 
 - page_size < block_k: a tile spans block_k / page_size whole pages; it does one small
@@ -12,7 +14,7 @@ block_table[b, t // page_size] * page_size + t % page_size.
   rows, as in the contiguous kernel.
 
 The K/V addresses depend on the table load, which costs the software pipeline one stage of
-lookahead (the article); the paged configs (jaxflash.configs) carry one stage more.
+lookahead (Writing an Attention Kernel, Step 5); the paged configs (jaxflash.configs) carry one stage more.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ from jax import lax
 from jaxflash import _checks, configs
 from jaxflash._triton import load, pl, use_interpret
 from jaxflash.configs import DecodeConfig
-from jaxflash.decode import (check_decode_query, check_return_flags, launch_split_kv, public_outputs,
-                             resolve_config)
+from jaxflash.decode import (STATIC_ARGNAMES, check_decode_query, check_return_flags, check_soft_cap,
+                             check_window, decode_options, launch_split_kv, public_outputs, resolve_config,
+                             split_scale)
 from jaxflash.reference import attention_reference, gather_pages
 
 __all__ = ["paged_decode_attention", "paged_kv_write", "gather_pages", "block_table_is_valid",
@@ -68,29 +71,44 @@ def _paged_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
   return tile_index
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "num_splits", "return_residual", "return_partials", "config",
-                              "interpret"))
-def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table, *,
-                           scale=None, num_splits=None, return_residual=False, return_partials=False,
+def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table, *, bias=None,
+                           mask=None, scale=None, local_window_size=None, logits_soft_cap=None, sinks=None,
+                           num_splits=None, return_residual=False, return_partials=False,
                            config: DecodeConfig | None = None, interpret: bool | None = None):
   """Decode attention over a paged KV cache, split-KV.
 
   query [B, 1, N, H]; k_pages, v_pages [num_pages, page_size, K, H] (page_size a power of
   two from 8, read in place); key_value_seq_lengths [B] int32 (traced: changing them never
   recompiles; clamped to [0, max_pages * page_size]); block_table [B, max_pages] int32,
-  logical page j of sequence b -> physical page. Only the first ceil(length / page_size)
-  entries of a row are read; pages may be shared between sequences.
+  logical page j of sequence b -> physical page. Only the entries of pages holding a key
+  the query sees are read (with a window, pages wholly before it are not); pages may be
+  shared between sequences.
 
   A table entry outside [0, num_pages) is clamped into that range: the kernel never reads
   outside the pool, but that sequence's result is computed from a wrong page. Check tables
   with `block_table_is_valid` where that matters.
 
-  Returns out [B, 1, N, H] in the query's dtype, and with `return_residual=True` also lse
-  [B, 1, N] float32 (natural log; -inf for length 0, whose output is zeros). num_splits,
-  config (default `jaxflash.decode_config(H, dtype, paged=True)`), return_partials and
-  interpret as in `decode_attention`.
+  Options as in `decode_attention`, with S = max_pages * page_size: bias and mask
+  broadcast to [B, N, 1, S] in logical token positions (position t of sequence b, wherever
+  its page lives). Returns out [B, 1, N, H] in the query's dtype, and with
+  `return_residual=True` also lse [B, 1, N] float32 (natural log, sink included; -inf for
+  length 0, whose output is zeros). num_splits, config (default
+  `jaxflash.decode_config(H, dtype, paged=True)`), return_partials and interpret as in
+  `decode_attention`.
   """
+  static_scale, traced_scale = split_scale(scale)
+  return _paged_decode_attention(
+      query, k_pages, v_pages, key_value_seq_lengths, block_table, bias, mask, traced_scale, sinks,
+      scale=static_scale, local_window_size=check_window(local_window_size),
+      logits_soft_cap=check_soft_cap(logits_soft_cap), num_splits=num_splits,
+      return_residual=return_residual, return_partials=return_partials, config=config,
+      interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
+def _paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table, bias, mask,
+                            traced_scale, sinks, *, scale, local_window_size, logits_soft_cap, num_splits,
+                            return_residual, return_partials, config, interpret):
   check_return_flags(return_residual, return_partials)
   _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages")
   num_pages, page_size, kv_heads, head_dim = k_pages.shape
@@ -104,7 +122,10 @@ def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block
   lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   if num_pages == 0:
     raise ValueError(f"the pool needs at least one page, got k_pages {tuple(k_pages.shape)}")
-  scale = _checks.default_scale(scale, head_dim)
+  capacity = block_table.shape[1] * page_size
+  options = decode_options(query, capacity, bias=bias, mask=mask, traced_scale=traced_scale, scale=scale,
+                           sinks=sinks, local_window_size=local_window_size,
+                           logits_soft_cap=logits_soft_cap)
   config = resolve_config(config, head_dim, k_pages.dtype, paged=True)
   num_heads = query.shape[2]
   head_dim_p = configs.padded_head_dim(head_dim)
@@ -115,8 +136,8 @@ def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block
   out = launch_split_kv(
       lengths, block_table, query.reshape(batch, num_heads, head_dim), k_rows, v_rows,
       tile_index=_paged_tile(config.block_k, page_size, num_pages, head_dim_p),
-      out_dtype=query.dtype, kv_heads=kv_heads, capacity=block_table.shape[1] * page_size,
-      scale=scale, num_splits=num_splits, config=config, interpret=use_interpret(interpret),
+      out_dtype=query.dtype, kv_heads=kv_heads, capacity=capacity, options=options,
+      num_splits=num_splits, config=config, interpret=use_interpret(interpret),
       name="jaxflash_paged_decode", merge=not return_partials)
   return public_outputs(out, return_residual=return_residual)
 
@@ -187,11 +208,13 @@ def paged_kv_write(k_pages, v_pages, block_table, start_positions, k_new, v_new,
 
 
 def paged_decode_attention_reference(query, k_pages, v_pages, key_value_seq_lengths, block_table, *,
-                                     scale=None):
+                                     bias=None, mask=None, scale=None, local_window_size=None,
+                                     logits_soft_cap=None, sinks=None):
   """Plain JAX: gather the pages into contiguous caches, then attend (for checking)."""
   capacity = block_table.shape[1] * k_pages.shape[1]
   lengths = jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity)
   table = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)
-  return attention_reference(query, gather_pages(k_pages, table), gather_pages(v_pages, table),
-                             scale=_checks.default_scale(scale, query.shape[-1]),
-                             key_value_seq_lengths=lengths)
+  return attention_reference(query, gather_pages(k_pages, table), gather_pages(v_pages, table), bias, mask,
+                             scale=query.shape[-1] ** -0.5 if scale is None else scale,
+                             key_value_seq_lengths=lengths, local_window_size=check_window(local_window_size),
+                             logits_soft_cap=logits_soft_cap, sinks=sinks)

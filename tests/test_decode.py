@@ -16,7 +16,7 @@ import pytest
 
 import jaxflash
 from jaxflash.configs import DecodeConfig
-from jaxflash.decode import (_combine, decode_attention, decode_attention_reference,
+from jaxflash.decode import (_combine, _decode_attention, decode_attention, decode_attention_reference,
                              decode_combine_reference)
 from tests.conftest import assert_close, poison_allocator, random_array
 from tests.reference_np import attention_f64
@@ -100,12 +100,12 @@ def test_lengths_change_without_recompiling(interpret, rng):
   q, k, v = _inputs(rng, batch, capacity, heads, kv_heads, head_dim, dtype)
   call = functools.partial(decode_attention, num_splits=splits, config=config, interpret=interpret)
   call(q, k, v, jnp.asarray([3, 4], jnp.int32)).block_until_ready()
-  compiled = decode_attention._cache_size()
+  compiled = _decode_attention._cache_size()
   for lengths in ([0, 130], [77, 31], [129, 1]):
     out = call(q, k, v, jnp.asarray(lengths, jnp.int32))
     ref, _ = attention_f64(q, k, v, kv_lengths=np.asarray(lengths))
     assert_close(out, ref, dtype)
-  assert decode_attention._cache_size() == compiled
+  assert _decode_attention._cache_size() == compiled
 
 
 def test_combine_matches_reference(interpret, rng):
@@ -233,3 +233,31 @@ def _bad_call(**changes):
 def test_bad_inputs(changes, error, message):
   with pytest.raises(error, match=message):
     _bad_call(**changes)
+
+
+# --------------------------------------------------------------------------------------
+# Every GQA ratio: groups of more than 16 query heads take rows of 32 or 64, and groups of
+# more than 64 several programs per KV head (jaxflash.configs.decode_query_rows).
+# --------------------------------------------------------------------------------------
+
+# group -> KV heads: two KV heads where a group spans a padded tile or several row blocks (96:
+# a full block of 64 rows and a padded one of 32 heads),
+# so the row-block index of the second KV head is exercised too.
+GQA_GROUPS = {1: 3, 2: 2, 3: 2, 4: 1, 5: 2, 6: 1, 7: 1, 8: 2, 16: 1, 17: 2, 24: 2, 32: 1, 64: 2, 96: 2,
+              128: 1}
+
+
+@pytest.mark.parametrize("group", list(GQA_GROUPS), ids=[f"g{g}" for g in GQA_GROUPS])
+def test_every_gqa_ratio(group, interpret, rng):
+  """Every query head of every group is written and right (poisoned outputs; interpret mode
+  starts outputs as NaN), over two chunks with a ragged and an empty sequence."""
+  kv_heads = GQA_GROUPS[group]
+  q, k, v = _inputs(rng, 2, 40, group * kv_heads, kv_heads, 64, BF16)
+  lengths = jnp.asarray([37, 0] if group % 2 else [40, 19], jnp.int32)
+  if not interpret:
+    _poison(q)
+  out, lse = decode_attention(q, k, v, lengths, num_splits=2, config=DecodeConfig(16),
+                              return_residual=True, interpret=interpret)
+  ref_out, ref_lse = attention_f64(q, k, v, kv_lengths=np.asarray(lengths))
+  assert_close(out, ref_out, BF16)
+  assert_close(lse, ref_lse, jnp.float32, what="lse")

@@ -17,8 +17,8 @@ from jax.experimental import checkify
 import jaxflash
 from jaxflash import reference
 from jaxflash.configs import DecodeConfig
-from jaxflash.paged import (block_table_is_valid, gather_pages, paged_decode_attention,
-                            paged_decode_attention_reference, paged_kv_write)
+from jaxflash.paged import (_paged_decode_attention, block_table_is_valid, gather_pages,
+                            paged_decode_attention, paged_decode_attention_reference, paged_kv_write)
 from tests.conftest import assert_close, random_array
 from tests.reference_np import attention_f64, gather_pages_np
 from tests.test_decode import _poison, cache_sized_data_movement
@@ -118,13 +118,13 @@ def test_lengths_and_table_change_without_recompiling(interpret, rng):
   q, k_pages, v_pages, _, _, _ = _case_inputs(rng, case)
   call = functools.partial(paged_decode_attention, num_splits=splits, config=config, interpret=interpret)
   call(q, k_pages, v_pages, jnp.asarray([1, 2], jnp.int32), jnp.zeros((2, 4), jnp.int32)).block_until_ready()
-  compiled = paged_decode_attention._cache_size()
+  compiled = _paged_decode_attention._cache_size()
   for lengths in ([0, 256], [64, 191]):
     table, clean_table = _make_table(rng, "random", 2, 8, 4, 64, lengths)
     out = call(q, k_pages, v_pages, jnp.asarray(lengths, jnp.int32), jnp.asarray(table))
     ref, _ = _reference(q, k_pages, v_pages, lengths, clean_table)
     assert_close(out, ref, FP16)
-  assert paged_decode_attention._cache_size() == compiled
+  assert _paged_decode_attention._cache_size() == compiled
 
 
 def test_through_attention(rng):
@@ -298,3 +298,29 @@ def test_paged_kv_write_bad_inputs():
   with pytest.raises(ValueError, match=r"new_lengths.*\(2,\)"):
     paged_kv_write(pages, pages, table, starts, jnp.zeros((2, 3, 2, 16)), jnp.zeros((2, 3, 2, 16)),
                    jnp.zeros((3,), jnp.int32))
+
+
+# group -> (KV heads, page size): groups past 16 heads take 32- or 64-row tiles, past 64 several
+# programs per KV head; pages smaller (gathered tiles) and larger (slices of a page) than a tile.
+GQA_GROUPS = {2: (2, 8), 6: (1, 32), 16: (1, 8), 17: (2, 32), 24: (2, 8), 32: (1, 32), 64: (2, 8),
+              128: (1, 32)}
+
+
+@pytest.mark.parametrize("group", list(GQA_GROUPS), ids=[f"g{g}" for g in GQA_GROUPS])
+def test_every_gqa_ratio(group, interpret, rng):
+  """Every query head of every group is written and right, through scattered pages."""
+  kv_heads, page = GQA_GROUPS[group]
+  batch, max_pages = 2, 64 // page
+  lengths = [61, 0] if group % 2 else [64, 23]
+  q = random_array(rng, (batch, 1, group * kv_heads, 64), BF16)
+  k_pages = random_array(rng, (batch * max_pages + 1, page, kv_heads, 64), BF16)
+  v_pages = random_array(rng, (batch * max_pages + 1, page, kv_heads, 64), BF16)
+  table, clean_table = _make_table(rng, "scattered", batch, batch * max_pages + 1, max_pages, page, lengths)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  if not interpret:
+    _poison(q)
+  out, lse = paged_decode_attention(q, k_pages, v_pages, lengths, jnp.asarray(table), num_splits=2,
+                                    config=DecodeConfig(16), return_residual=True, interpret=interpret)
+  ref_out, ref_lse = _reference(q, k_pages, v_pages, lengths, clean_table)
+  assert_close(out, ref_out, BF16)
+  assert_close(lse, ref_lse, jnp.float32, what="lse")
