@@ -193,13 +193,17 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
                                return_residual=True)
     result = sharding.prefill(kernel, query, key, value, q_lengths, kv_lengths)
-  elif (static_scale is not None and _decode_semantics(query, q_lengths, mods)
+  elif (_decode_semantics(query, q_lengths, mods)
         and not (sharding.manual_axes() and use_interpret())):
     # (Interpreted inside jax.shard_map, the prefill path's stand-in serves: see prefill.py.)
     # Only the options given reach the decode kernels (each a keyword they take): the
     # arrays as operands, the static ones bound here.
     given = {name: x for name, x in options.items() if x is not None}
-    static = dict(scale=static_scale, return_residual=True)
+    static = dict(return_residual=True)
+    if static_scale is not None:
+      static["scale"] = static_scale  # compiled in
+    else:
+      given["scale"] = _checks.scale_operand(scale, head_dim)  # a traced scale: an operand
     if mods.window is not None:
       static["local_window_size"] = mods.window
     if mods.logits_soft_cap is not None:
@@ -214,8 +218,8 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       result = sharding.decode(kernel, query, key, value, kv_lengths, **given)
   else:
     if paged:
-      # A one-token query the decode kernels cannot serve (a top-left position, or a
-      # traced scale): the prefill kernel over the gathered pages.
+      # A one-token query the decode kernels cannot serve (a top-left position): the
+      # prefill kernel over the gathered pages.
       key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     from jaxflash.prefill import prefill_attention
     kernel = functools.partial(
