@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.linear import LinearConfig, k_chunks, skinny_matmul, skinny_matmul_reference
+from jaxflash.fused.configs import LinearConfig
+from jaxflash.fused.linear import k_chunks, skinny_matmul, skinny_matmul_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32

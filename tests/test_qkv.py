@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.cache_write import kv_cache_write_reference
-from jaxflash.linear import LinearConfig
-from jaxflash.qkv import qkv_projection, qkv_projection_reference
+from jaxflash.fused.cache_write import kv_cache_write_reference
+from jaxflash.fused.configs import LinearConfig
+from jaxflash.fused.qkv import qkv_projection, qkv_projection_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.linear import LinearConfig
-from jaxflash.residual_norm import add_rms_norm_reference
+from jaxflash.fused.configs import LinearConfig
+from jaxflash.fused.residual_norm import add_rms_norm_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32

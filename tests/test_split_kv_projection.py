@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.split_kv_projection import project_split_kv_reference
+from jaxflash.fused.split_kv_projection import project_split_kv_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 from tests.reference_np import attention_f64
 
