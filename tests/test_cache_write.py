@@ -1,4 +1,4 @@
-"""One-token KV cache write (jaxflash/cache_write.py) against a NumPy write.
+"""One-token KV cache write (jaxflash/fused/cache_write.py) against a NumPy write.
 
 Every other row of the cache must come back bit-identical, the written rows must hold the
 new token exactly (cast to the cache's dtype), and dropped writes (negative positions,

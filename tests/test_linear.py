@@ -1,4 +1,4 @@
-"""Skinny matmul (jaxflash/linear.py) against a float64 product.
+"""Skinny matmul (jaxflash/fused/linear.py) against a float64 product.
 
 Shapes cover ragged K and N (masked last tiles), 1..16 rows, several K chunks (fp32
 partials summed outside the kernel) and one chunk (the kernel writes the result itself).

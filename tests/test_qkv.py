@@ -1,4 +1,4 @@
-"""Fused RMSNorm + q/k/v + bias + RoPE (jaxflash/qkv.py) against a float64 NumPy version.
+"""Fused RMSNorm + q/k/v + bias + RoPE (jaxflash/fused/qkv.py) against a float64 NumPy version.
 
 Cases cover GQA ratios (1 to 8, with 5 and 7), head dims 64 to 256 with 80 and 96 (whose
 halves are not multiples of the 16-dim slices: masked), K that is not a multiple of the

@@ -89,8 +89,9 @@ def cache_rows(positions_ref, table_ref, batch_rows, *, capacity: int, page_size
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def kv_cache_write(keys, values, k_new, v_new, positions, *, block_table=None,
-                   interpret: bool | None = None):
+def kv_cache_write(keys: jax.Array, values: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                   positions: jax.Array, *, block_table: jax.Array | None = None,
+                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """Stores one token per sequence: k_new, v_new [B, K, H] at token position positions[b].
 
   keys/values: contiguous caches [B, S, K, H], or page pools [P, page, K, H] with

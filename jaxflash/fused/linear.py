@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -159,8 +160,9 @@ def _check_inputs(x, weights: tuple):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_partials", "interpret"))
-def skinny_matmul(x, w, *, config: LinearConfig | None = None, return_partials: bool = False,
-                  interpret: bool | None = None):
+def skinny_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], *, config: LinearConfig | None = None,
+                  return_partials: bool = False, interpret: bool | None = None
+                  ) -> jax.Array | tuple[jax.Array, ...]:
   """x [..., K] with at most 16 rows in all (the leading dims' product) @ w [K, N] -> [..., N].
 
   `w` may also be a tuple of weights [K, N_i] that share x (a layer's q, k and v

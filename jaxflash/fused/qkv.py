@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -286,9 +287,13 @@ def _check_inputs(x, norm_scale, weights, biases, cos, sin, head_dim: int):
 
 
 @functools.partial(jax.jit, static_argnames=("head_dim", "eps", "config", "one_launch", "interpret"))
-def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, eps: float = 1e-6,
-                   kv_cache=None, positions=None, block_table=None, config: LinearConfig | None = None,
-                   one_launch: bool = True, counters=None, interpret: bool | None = None):
+def qkv_projection(x: jax.Array, norm_scale: jax.Array, weights: Sequence[jax.Array],
+                   biases: Sequence[jax.Array] | None, cos: jax.Array, sin: jax.Array, *, head_dim: int,
+                   eps: float = 1e-6, kv_cache: tuple[jax.Array, jax.Array] | None = None,
+                   positions: jax.Array | None = None, block_table: jax.Array | None = None,
+                   config: LinearConfig | None = None, one_launch: bool = True,
+                   counters: jax.Array | None = None, interpret: bool | None = None
+                   ) -> tuple[jax.Array, ...]:
   """q, k, v of a decode step: rope(rms_norm(x) @ wq + bq), rope(rms_norm(x) @ wk + bk),
   rms_norm(x) @ wv + bv, in one kernel launch (two when head_dim does not divide the
   config's block_n, or with `one_launch=False`).

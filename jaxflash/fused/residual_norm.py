@@ -59,7 +59,8 @@ def _check(x, deltas, scale):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def add_rms_norm(x, deltas, scale, *, eps: float = 1e-6, interpret: bool | None = None):
+def add_rms_norm(x: jax.Array, deltas: jax.Array, scale: jax.Array, *, eps: float = 1e-6,
+                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """(h, rms_norm(h) * scale) with h = x + deltas, in one kernel.
 
   x [..., D] the residual stream; deltas of x's shape, or [S, ..., D]: S partial sums (a
