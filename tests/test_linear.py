@@ -121,3 +121,14 @@ def test_weights_of_different_dtypes_are_refused():
 
 def test_public_name():
   assert jaxflash.skinny_matmul is skinny_matmul and jaxflash.LinearConfig is LinearConfig
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(block_n=48), "block_n must be a power of two"),
+    (dict(block_k=8), "block_k must be a power of two"),
+    (dict(num_warps=0), "num_warps must be a positive int"),
+    (dict(num_splits=0), "num_splits must be None or a positive int"),
+])
+def test_bad_configs_are_refused(changes, match):
+  with pytest.raises(ValueError, match=match):
+    LinearConfig(**changes)
