@@ -7,6 +7,7 @@ already runs them end to end against transformers.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -544,6 +545,57 @@ def test_decode_step_merges_attention_in_the_output_projection(model, cache_kind
   run = lambda plan: qwen2.Sampler(model, cache=cache_kind, page_size=8, plan=plan)(
       prompts[:1], NEW_TOKENS).tokens
   assert run(None) == run(apart)
+
+
+def _kernel_counts(jaxpr, counts=None) -> collections.Counter:
+  """Pallas kernels by name, XLA dots and scatters, over every nested jaxpr (each call counted)."""
+  counts = collections.Counter() if counts is None else counts
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      name = eqn.params.get("name_and_src_info", eqn.params.get("name"))  # by JAX version
+      counts[str(name).split(" ")[0]] += 1
+      continue
+    if eqn.primitive.name in ("dot_general", "scatter"):
+      counts[eqn.primitive.name] += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          _kernel_counts(inner, counts)
+  return counts
+
+
+@pytest.mark.parametrize("preset, batch, kind, kernels", [
+    # Batch 1: per layer the one-launch q/k/v with the cache write, split-KV decode merged in
+    # the output projection, add_rms_norm, and two skinny products (gate+up wide, down tall).
+    ("1.5b", 1, "contiguous", dict(jaxflash_qkv_projection=28, jaxflash_decode=28,
+                                   jaxflash_split_kv_projection=28, jaxflash_add_rms_norm=28,
+                                   jaxflash_skinny_matmul=56, dot_general=1)),
+    # Batch 8: the merge kernel and the skinny o_proj instead of the split-KV projection.
+    ("1.5b", 8, "paged", dict(jaxflash_qkv_projection=28, jaxflash_paged_decode=28,
+                              jaxflash_decode_combine=28, jaxflash_add_rms_norm=28,
+                              jaxflash_skinny_matmul=84, dot_general=1)),
+    # More than 16 rows: XLA's dots, the cache-write kernel, the decode kernels.
+    ("1.5b", 32, "contiguous", dict(jaxflash_kv_cache_write=28, jaxflash_decode=28,
+                                    jaxflash_decode_combine=28, dot_general=197)),
+    # 7B's o_proj (3584 x 3584) is XLA's: no add_rms_norm, no split-KV projection.
+    ("7b", 1, "paged", dict(jaxflash_qkv_projection=28, jaxflash_paged_decode=28,
+                            jaxflash_decode_combine=28, jaxflash_skinny_matmul=56, dot_general=29)),
+])
+def test_decode_step_kernels_of_the_published_shapes(preset, batch, kind, kernels):
+  """The kernels a decode step of Qwen2.5-1.5B / 7B launches (abstract shapes, nothing run):
+  the figures of the H200 benchmarks rest on exactly these (bench/profile_step.py)."""
+  config = {"1.5b": qwen2.Qwen2Config.qwen2_5_1_5b, "7b": qwen2.Qwen2Config.qwen2_5_7b}[preset]()
+  model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                       param_dtype=jnp.bfloat16))
+  graphdef, state = nnx.split(model)
+  cache_type = qwen2.PagedCache if kind == "paged" else qwen2.ContiguousCache
+  cache = jax.eval_shape(lambda: cache_type.create(config, batch, 1024, jnp.bfloat16))
+  step = lambda state, tokens, cache, lengths: nnx.merge(graphdef, state)(tokens, cache=cache,
+                                                                          lengths=lengths)
+  closed = jax.make_jaxpr(step)(state, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache,
+                                jax.ShapeDtypeStruct((batch,), jnp.int32))
+  assert dict(_kernel_counts(closed.jaxpr)) == kernels
 
 
 def test_finished_sequences_return_their_pages(model):
