@@ -221,7 +221,7 @@ def test_chunked_prefill_matches_one_shot(kind):
   """A prompt written through the cache in chunks (positions after the cached tokens, each
   chunk attending to the cache and to itself, bottom-right causal) gives the logits and the
   greedy continuation of the prompt in one call; rows of different lengths included."""
-  config = qwen2.Qwen2Config.tiny()
+  config = qwen2.Qwen2Config.tiny(num_hidden_layers=1)
   model = qwen2.random_model(config, seed=3)
   rng = np.random.default_rng(3)
   ids = jnp.asarray(rng.integers(0, config.vocab_size, (2, 11)), jnp.int32)
@@ -236,25 +236,30 @@ def test_chunked_prefill_matches_one_shot(kind):
       pieces.append(np.asarray(logits))
     return np.concatenate(pieces, axis=1), cache
 
-  for impl in ("xla", None):
-    for chunks in ([(0, 11)], [(0, 4), (4, 11)], [(0, 3), (3, 5), (5, 11)]):
-      got, cache = prefill(chunks, impl)
-      assert np.asarray(cache.lengths).tolist() == [11, 7]
-      for row, n in enumerate(np.asarray(lengths)):
-        np.testing.assert_allclose(got[row, :n], want[row, :n], rtol=2e-5, atol=2e-5,
-                                   err_msg=f"{impl} {chunks} row {row}")
-    # Greedy decode steps after the chunked prefill continue as after the one-shot one.
+  def continuation(chunks, impl, steps=3):
+    """Greedy tokens [steps][B] after prefilling the prompt in `chunks`."""
+    _, cache = prefill(chunks, impl)
+    token = jnp.argmax(jnp.asarray(want)[jnp.arange(2), lengths - 1], axis=-1)[:, None]
     tokens = []
-    for chunks in ([(0, 11)], [(0, 3), (3, 5), (5, 11)]):
-      _, cache = prefill(chunks, impl)
-      step = jnp.argmax(jnp.asarray(want)[jnp.arange(2), lengths - 1], axis=-1)[:, None]
-      seq = []
-      for _ in range(3):
-        logits, cache = model(step.astype(jnp.int32), cache=cache, attention_impl=impl)
-        step = jnp.argmax(logits[:, -1], axis=-1)[:, None]
-        seq.append(np.asarray(step[:, 0]).tolist())
-      tokens.append(seq)
-    assert tokens[0] == tokens[1], impl
+    for _ in range(steps):
+      logits, cache = model(token.astype(jnp.int32), cache=cache, attention_impl=impl)
+      token = jnp.argmax(logits[:, -1], axis=-1)[:, None]
+      tokens.append(np.asarray(token[:, 0]).tolist())
+    return tokens
+
+  # jaxflash's plain-JAX path over several chunkings (row 1 gets no new token in the last
+  # chunk of the second), then the kernels (prefill, then decode) over three chunks.
+  cases = [("xla", [(0, 11)]), ("xla", [(0, 8), (8, 11)]), ("xla", [(0, 3), (3, 5), (5, 11)]),
+           (None, [(0, 3), (3, 5), (5, 11)])]
+  for impl, chunks in cases:
+    got, cache = prefill(chunks, impl)
+    assert np.asarray(cache.lengths).tolist() == [11, 7]
+    for row, n in enumerate(np.asarray(lengths)):
+      np.testing.assert_allclose(got[row, :n], want[row, :n], rtol=2e-5, atol=2e-5,
+                                 err_msg=f"{impl} {chunks} row {row}")
+  one_shot = continuation([(0, 11)], "xla")
+  assert continuation([(0, 3), (3, 5), (5, 11)], "xla") == one_shot
+  assert continuation([(0, 3), (3, 5), (5, 11)], None, steps=2) == one_shot[:2]
 
 
 # ----------------------------------------------------------------------------- checkpoints
