@@ -59,6 +59,8 @@ def test_config_from_hf_dict():
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, NotImplementedError),
     ({"use_sliding_window": True}, NotImplementedError),
     ({"num_key_value_heads": 3}, ValueError),
+    ({"num_attention_heads": 0}, ValueError),
+    ({"vocab_size": -1}, ValueError),
 ])
 def test_config_refuses_what_it_cannot_run(change, error):
   with pytest.raises(error):

@@ -32,7 +32,7 @@ class Qwen2Config:
   max_window_layers: int | None = None
 
   def __post_init__(self):
-    if self.head_dim is None:
+    if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
