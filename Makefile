@@ -1,4 +1,5 @@
-# Two commands for a newcomer:
+# Two commands for a newcomer (run from the repository root: the model in models/ runs from the
+# checkout, the editable install provides jaxflash):
 #   make demo   - set up .venv and run the Qwen2.5 generate demo (random-weight default model,
 #                 or CHECKPOINT=/path/to/hf/dir PROMPT="...")
 #   make test   - set up .venv and run the test suite (CPU: kernels interpreted; GPU: also compiled)

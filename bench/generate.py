@@ -46,8 +46,8 @@ HF_BUDGET_S = 100.0  # the Hugging Face rows stop starting new shapes after this
 SYNCED_FRACTION = 0.5  # steps timed one by one; the rest run back to back (pipelined)
 PROFILED_STEPS = 8  # the last steps, under the profiler: device time and kernels per step
 LOOP_RUNS = 2  # whole generate calls timed after the steps above; the faster one is reported
-# (label, attention_impl for models.qwen2, cache kind)
-IMPLS = (("jaxflash paged", "jaxflash", "paged"), ("jaxflash", "jaxflash", "contiguous"),
+# (label, attention_impl for models.qwen2 (one of jaxflash.IMPLEMENTATIONS), cache kind)
+IMPLS = (("jaxflash paged", None, "paged"), ("jaxflash", None, "contiguous"),
          ("cudnn", "cudnn", "contiguous"), ("xla", "xla", "contiguous"))
 
 
@@ -101,60 +101,55 @@ def bench_jax(model, shape: Shape, impl: str, cache_kind: str, page_size: int = 
   for run in range(PREFILL_RUNS):
     cache = fresh_cache()
     start = time.perf_counter()
-    first, done, cache, key = jax.block_until_ready(
-        sampler.prefill(tokens, lengths, cache, jax.random.key(0), eos, greedy))
+    state = jax.block_until_ready(sampler.prefill(tokens, lengths, cache, jax.random.key(0), eos, greedy))
     elapsed = time.perf_counter() - start
     if run == 0:
       compile_s = elapsed
     else:
       prefill_ms.append(elapsed * 1e3)
     if run < PREFILL_RUNS - 1:
-      del cache
+      del cache, state
 
   # Decode: the first step compiles; then steps timed one by one (synced), then the rest
   # dispatched back to back and timed together.
   steps = shape.new_tokens - 1
   synced = max(1, int(steps * SYNCED_FRACTION))
-  token = first
   start = time.perf_counter()
-  token, done, cache, key = jax.block_until_ready(
-      sampler.decode(token, done, cache, key, eos, greedy))
+  state = jax.block_until_ready(sampler.decode(state, eos, greedy))
   compile_s += time.perf_counter() - start
   step_ms = []
   for _ in range(2, synced + 1):
     start = time.perf_counter()
-    token, done, cache, key = jax.block_until_ready(
-        sampler.decode(token, done, cache, key, eos, greedy))
+    state = jax.block_until_ready(sampler.decode(state, eos, greedy))
     step_ms.append((time.perf_counter() - start) * 1e3)
   profiled = min(PROFILED_STEPS, max(0, steps - synced - 1)) if has_gpu() else 0
   start = time.perf_counter()
   rest = range(synced + 1, steps + 1 - profiled)
   for _ in rest:
-    token, done, cache, key = sampler.decode(token, done, cache, key, eos, greedy)
-  jax.block_until_ready(token)
+    state = sampler.decode(state, eos, greedy)
+  jax.block_until_ready(state.tokens)
   pipelined_ms = (time.perf_counter() - start) * 1e3 / max(len(rest), 1)
 
   # The last few steps under the profiler: the device time of a step (its kernels' durations
   # summed) and its kernel count, against the wall time above: the difference is launch gaps.
   step_device_ms = kernels_per_step = None
   if profiled:
-    state = [token, done, cache, key]
+    box = [state]
 
     def run_profiled():
       for _ in range(profiled):
-        state[:] = sampler.decode(*state, eos, greedy)
-      jax.block_until_ready(state[0])
+        box[0] = sampler.decode(box[0], eos, greedy)
+      jax.block_until_ready(box[0].tokens)
 
     trace = profile_trace(run_profiled)
-    token, done, cache, key = state
-    state.clear()
+    state = box.pop()
     events = gpu_kernel_events(trace) if trace else []
     if events:
       us, _, kernels_per_step = summarize_kernels(events, profiled)
       step_device_ms = us / 1e3
-  lengths_now = np.asarray(cache.lengths)
+  lengths_now = np.asarray(state.cache.lengths)
   assert (lengths_now == shape.prompt + steps).all(), lengths_now
-  del cache, token, done, key
+  del state
   # The generate loop itself (Sampler.__call__, the shapes above; its multi-step call compiles
   # in a first, untimed call): the sampler's steps_per_call steps a dispatch, plus its own host
   # work (copying and reading each call's tokens, one call behind; the page allocator's

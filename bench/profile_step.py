@@ -25,9 +25,27 @@ from bench.environment import env_metadata
 from bench.timing import Timing, device_times_us, free_memory, has_gpu, profile_trace
 from bench.trace import gpu_kernel_events
 
-# Qwen2ForCausalLM's switches for its decode-step kernels (models/qwen2/model.py).
-MODEL_FLAGS = ("fused_qkv", "skinny_decode", "cache_write_kernel", "skinny_wide", "fused_residual_norm",
-               "one_launch_qkv")
+# What `--off` may turn off in the decode step's StepPlan (models/qwen2/plan.py) for an A/B run,
+# and what else goes with it (a plan refuses a fusion whose prerequisite is off).
+PLAN_SWITCHES = {
+    "skinny": dict(skinny=False, fused_qkv=False, residual_norm=False, split_kv=False),
+    "fused_qkv": dict(fused_qkv=False),
+    "cache_write_kernel": dict(cache_write="scatter"),
+    "residual_norm": dict(residual_norm=False, split_kv=False),
+    "split_kv": dict(split_kv=False),
+}
+
+
+def plan_without(plan, switches):
+  """`plan` with the PLAN_SWITCHES named in `switches` turned off."""
+  changes = {}
+  for switch in switches:
+    changes.update(PLAN_SWITCHES[switch])
+  cache_write = changes.get("cache_write", plan.cache_write)
+  if cache_write == "qkv" and not changes.get("fused_qkv", plan.fused_qkv):
+    cache_write = "kernel"  # the q/k/v kernel no longer writes the cache: the write kernel does
+  changes.update(cache_write=cache_write, qkv_counters=plan.qkv_counters and cache_write == "qkv")
+  return dataclasses.replace(plan, **changes)
 _OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
 
 
@@ -81,13 +99,14 @@ def main(argv=None):
   parser.add_argument("--model", default="1.5b", choices=("0.5b", "1.5b", "7b", "tiny"))
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--prompt", type=int, default=1024)
-  parser.add_argument("--impl", default="jaxflash")
+  parser.add_argument("--impl", default="jaxflash", help="jaxflash (the default kernels) or one of "
+                      "jaxflash.IMPLEMENTATIONS")
   parser.add_argument("--cache", default="contiguous")
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--gemv-rows", default="1", help="comma-separated batch rows for the GEMV rates")
   parser.add_argument("--no-gemv", action="store_true")
-  parser.add_argument("--off", default="", help="comma-separated model switches to turn off for an "
-                      "A/B run: " + ", ".join(MODEL_FLAGS))
+  parser.add_argument("--off", default="", help="comma-separated parts of the decode step's plan to "
+                      "turn off for an A/B run: " + ", ".join(PLAN_SWITCHES))
   parser.add_argument("--out", type=Path, default=None)
   args = parser.parse_args(argv)
   from models import qwen2
@@ -108,14 +127,20 @@ def main(argv=None):
 
   dtype = "bfloat16" if has_gpu() else "float32"
   model = qwen2.random_model(config, seed=0, dtype=dtype)
-  for flag in filter(None, args.off.split(",")):
-    if flag not in MODEL_FLAGS:
-      parser.error(f"--off takes model switches, got {flag!r}")
-    setattr(model, flag, False)
+  off = [flag for flag in args.off.split(",") if flag]
+  for flag in off:
+    if flag not in PLAN_SWITCHES:
+      parser.error(f"--off takes parts of the plan ({', '.join(PLAN_SWITCHES)}), got {flag!r}")
   impl = None if args.impl == "jaxflash" else args.impl
-  sampler = Sampler(model, cache=args.cache, attention_impl=impl)
+  probe = Sampler(model, cache=args.cache, attention_impl=impl)
+  capacity = probe.capacity(args.prompt, args.steps + 16)
+  plan = None
+  if off:
+    plan = plan_without(qwen2.StepPlan.build(model, (args.batch, 1), probe.make_cache(args.batch, 16),
+                                             impl), off)
+    log(f"plan: {plan}")
+  sampler = Sampler(model, cache=args.cache, attention_impl=impl, plan=plan)
   prompts = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.prompt), np.int32)
-  capacity = sampler.capacity(args.prompt, args.steps + 16)
   cache = sampler.make_cache(args.batch, capacity)
   if args.cache == "paged":
     from models.qwen2 import PageAllocator
@@ -125,37 +150,38 @@ def main(argv=None):
     cache = dataclasses.replace(cache, block_table=jnp.asarray(allocator.block_table))
   greedy, eos = SamplingParams(), jnp.asarray([-1], jnp.int32)
   lengths = jnp.full((args.batch,), args.prompt, jnp.int32)
-  state = list(sampler.prefill(jnp.asarray(prompts), lengths, cache, jax.random.key(0), eos, greedy))
-  jax.block_until_ready(state)
+  box = [sampler.prefill(jnp.asarray(prompts), lengths, cache, jax.random.key(0), eos, greedy)]
+  jax.block_until_ready(box[0])
 
   def step():
-    state[:] = sampler.decode(*state, eos, greedy)
+    box[0] = sampler.decode(box[0], eos, greedy)
 
   step()
-  jax.block_until_ready(state)
+  jax.block_until_ready(box[0])
   blocked = []
   for _ in range(10):
     t0 = time.perf_counter()
     step()
-    jax.block_until_ready(state[0])
+    jax.block_until_ready(box[0].tokens)
     blocked.append((time.perf_counter() - t0) * 1e3)
   n = args.steps // 2
   t0 = time.perf_counter()
   for _ in range(n):
     step()
-  jax.block_until_ready(state[0])
+  jax.block_until_ready(box[0].tokens)
   pipelined = (time.perf_counter() - t0) * 1e3 / n
   t0 = time.perf_counter()
   for _ in range(n):
     step()
   dispatch = (time.perf_counter() - t0) * 1e3 / n  # host time to enqueue (if not throttled)
-  jax.block_until_ready(state[0])
+  jax.block_until_ready(box[0].tokens)
 
   profiled = 5
-  trace = profile_trace(lambda: [step() for _ in range(profiled)] and jax.block_until_ready(state[0]))
+  trace = profile_trace(lambda: [step() for _ in range(profiled)] and jax.block_until_ready(box[0].tokens))
   events = gpu_kernel_events(trace) if trace else []
-  hlo = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=greedy,
-                                   attention_impl=sampler.attention_impl).compile().as_text()
+  hlo = sampler.steps.decode.lower(sampler.params, box[0], eos, sampling=greedy,
+                                   attention_impl=sampler.attention_impl,
+                                   plan=sampler.plan).compile().as_text()
   scopes = op_scopes(hlo)
   by_scope = collections.defaultdict(lambda: [0.0, 0])
   by_kernel = collections.defaultdict(lambda: [0.0, 0])
@@ -187,7 +213,7 @@ def main(argv=None):
                          sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:60]}
   if args.out:
     args.out.mkdir(parents=True, exist_ok=True)
-    off = "".join(f"_no_{flag}" for flag in filter(None, args.off.split(",")))
+    off = "".join(f"_no_{flag}" for flag in off)
     (args.out / f"profile_step_{args.model}_b{args.batch}_{args.prompt}_{args.impl}_{args.cache}{off}.json"
      ).write_text(json.dumps(report, indent=1, default=str))
     (args.out / "decode_step.hlo.txt").write_text(hlo)

@@ -1,16 +1,19 @@
-"""jaxflash: fast, exact attention for JAX on NVIDIA GPUs (Pallas, Triton lowering)."""
+"""jaxflash: fast, exact attention for JAX on NVIDIA GPUs (Pallas, Triton lowering).
+
+Attention: `attention` (a drop-in for `jax.nn.dot_product_attention`), the kernels
+`prefill_attention`, `decode_attention`, `paged_decode_attention`, and `attention_reference`.
+Decode-step fusions for Llama / Qwen-style layers live in `jaxflash.fused` (their functions
+are re-exported here).
+"""
 from jaxflash.attention import IMPLEMENTATIONS, attention
-from jaxflash.cache_write import kv_cache_write
 from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_splits, prefill_config
 from jaxflash.decode import SplitKV, decode_attention
 from jaxflash.device import DeviceInfo, device_info
-from jaxflash.linear import LinearConfig, skinny_matmul
+from jaxflash.fused import (LinearConfig, add_rms_norm, kv_cache_write, project_split_kv, qkv_projection,
+                            skinny_matmul)
 from jaxflash.paged import gather_pages, paged_decode_attention, paged_kv_write
 from jaxflash.prefill import prefill_attention
-from jaxflash.qkv import qkv_projection
 from jaxflash.reference import attention_reference
-from jaxflash.residual_norm import add_rms_norm
-from jaxflash.split_kv_projection import project_split_kv
 
 __all__ = [
     "attention", "IMPLEMENTATIONS", "prefill_attention", "decode_attention", "paged_decode_attention",

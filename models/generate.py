@@ -1,4 +1,4 @@
-"""`python -m models.generate` (or `jaxflash-generate`): stream text from Qwen2.5 on jaxflash.
+"""`python -m models.generate` (run from the repository checkout): stream text from Qwen2.5 on jaxflash.
 
     python -m models.generate --checkpoint ~/models/Qwen2.5-1.5B-Instruct --chat \\
         --prompt "Why is the sky blue?" --max-new-tokens 128
@@ -7,7 +7,9 @@ With `--checkpoint DIR` the model and its tokenizer are read offline from DIR (H
 config.json, *.safetensors, tokenizer.json). Without it, a small Qwen2.5-shaped model with
 RANDOM weights and a built-in byte-level tokenizer runs instead, so the command works on
 any machine (on a CPU the kernels run in Pallas interpret mode): its text is noise, its
-timings are real. Prints the prefill time and the decode speed after the text.
+timings are real. Prints the prefill time and the decode speed after the text. User errors
+(a checkpoint folder that does not exist or holds no safetensors, an empty prompt) print one
+line and exit with status 2.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+import jaxflash
 
 DEFAULT_PROMPT = "The best thing about fast attention kernels is"
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
@@ -62,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--prompt", default=DEFAULT_PROMPT)
   parser.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen's chat template")
   parser.add_argument("--max-new-tokens", type=int, default=None,
-                      help="default: 64 with a checkpoint, 24 for the random model")
+                      help="default: 64 with a checkpoint, 24 for the random model (0: none)")
   parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
   parser.add_argument("--top-k", type=int, default=None)
   parser.add_argument("--top-p", type=float, default=None)
@@ -70,9 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged",
                       help="KV cache layout (default: paged)")
   parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
-  parser.add_argument("--attention", choices=("jaxflash", "xla", "cudnn"), default="jaxflash",
-                      help="jaxflash kernels (default), jaxflash's plain-JAX path, or jax.nn's "
-                      "cuDNN (GPU only)")
+  names = [name for name in jaxflash.IMPLEMENTATIONS if name is not None]
+  parser.add_argument("--attention", choices=names, default=None,
+                      help="jaxflash.attention's implementation (default: the best kernel for the "
+                      "device; xla: jaxflash's plain-JAX path)")
   parser.add_argument("--steps-per-call", type=int, default=None,
                       help="decode steps per dispatch (default: models.qwen2's STEPS_PER_CALL, 8)")
   parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the "
@@ -93,6 +98,10 @@ def _eos_ids(checkpoint: str, config) -> tuple[int, ...]:
   return tuple(dict.fromkeys(ids))
 
 
+class UserError(Exception):
+  """A problem with what the user asked for: printed as one line, exit status 2."""
+
+
 def load(args):
   """-> (model, tokenizer, eos ids, a description of what was loaded)."""
   from tokenizers import Tokenizer
@@ -100,12 +109,18 @@ def load(args):
   from models import qwen2
   from models.tokenizer import byte_tokenizer
   if args.checkpoint:
-    tokenizer_file = os.path.join(args.checkpoint, "tokenizer.json")
+    checkpoint = os.path.expanduser(args.checkpoint)
+    if not os.path.isdir(checkpoint):
+      raise UserError(f"checkpoint folder {args.checkpoint} does not exist")
+    tokenizer_file = os.path.join(checkpoint, "tokenizer.json")
     if not os.path.exists(tokenizer_file):
-      raise SystemExit(f"error: no tokenizer.json in {args.checkpoint}")
-    model = qwen2.from_pretrained(args.checkpoint, dtype=args.dtype, progress=True)
+      raise UserError(f"no tokenizer.json in {args.checkpoint}")
+    try:
+      model = qwen2.from_pretrained(checkpoint, dtype=args.dtype, progress=True)
+    except (FileNotFoundError, NotImplementedError, ValueError) as e:  # CheckpointError included
+      raise UserError(str(e)) from e
     tokenizer = Tokenizer.from_file(tokenizer_file)
-    return model, tokenizer, _eos_ids(args.checkpoint, model.config), f"checkpoint {args.checkpoint}"
+    return model, tokenizer, _eos_ids(checkpoint, model.config), f"checkpoint {args.checkpoint}"
   model = demo_model(args.seed, args.dtype or "float32")
   config = model.config
   label = (f"RANDOM WEIGHTS (no --checkpoint): a Qwen2.5-shaped demo model, {config.num_hidden_layers} "
@@ -147,25 +162,46 @@ class TextStream:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  try:
+    return run(args)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
   from tqdm.auto import tqdm
 
   from models import qwen2
 
+  if args.max_new_tokens is not None and args.max_new_tokens < 0:
+    raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+  if not args.prompt:
+    raise UserError("the prompt is empty (--prompt \"\")")
   started = time.perf_counter()
   model, tokenizer, eos_ids, label = load(args)
-  max_new = args.max_new_tokens or (64 if args.checkpoint else 24)
+  max_new = args.max_new_tokens if args.max_new_tokens is not None else (64 if args.checkpoint else 24)
   prompt = CHAT_TEMPLATE.format(prompt=args.prompt) if args.chat else args.prompt
   prompt_ids = tokenizer.encode(prompt).ids
+  if not prompt_ids:
+    raise UserError("the prompt is empty (it encodes to no tokens)")
   backend = jax.default_backend()
   kernels = "jaxflash kernels" + ("" if backend == "gpu" else " (Pallas interpret mode: no GPU)")
-  attention = {"jaxflash": kernels, "xla": "jaxflash's plain-JAX path", "cudnn": "cuDNN"}[args.attention]
+  attention = {None: kernels, "xla": "jaxflash's plain-JAX path"}.get(args.attention,
+                                                                      f"jaxflash.attention({args.attention!r})")
   print(f"model:     {label}")
   print(f"attention: {attention}; {args.cache} KV cache; {jnp.dtype(model.dtype).name} on "
         f"{jax.devices()[0].device_kind}")
 
+  if max_new == 0:
+    print(f"prompt:    {prompt!r} ({len(prompt_ids)} tokens)\n\nno new tokens (--max-new-tokens 0)")
+    return 0
   per_call = {} if args.steps_per_call is None else dict(steps_per_call=args.steps_per_call)
-  sampler = qwen2.Sampler(model, cache=args.cache, page_size=args.page_size,
-                          attention_impl=args.attention, **per_call)
+  try:
+    sampler = qwen2.Sampler(model, cache=args.cache, page_size=args.page_size,
+                            attention_impl=args.attention, **per_call)
+  except ValueError as e:
+    raise UserError(str(e)) from e
   options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                  eos_token_id=eos_ids, seed=args.seed)
   # Compile the prefill and the decode step on the real shapes (a run stopped after two

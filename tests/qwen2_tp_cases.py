@@ -121,19 +121,18 @@ def _decode_step(sampler, cache_kind: str):
     for row in range(batch):
       allocator.reserve(row, 32)
     cache = qwen2.PagedCache(cache.key_pages, cache.value_pages,
-                             sampler.to_device(allocator.block_table), cache.lengths, cache.counters)
+                             sampler.to_device(allocator.block_table), cache.lengths)
   created = jax.tree.map(lambda x: x.sharding, cache)
   pool_shape = list((cache.key_pages if cache_kind == "paged" else cache.keys)[0].shape)
-  first, done, cache, key = sampler.prefill(sampler.to_device(tokens), sampler.to_device(lengths),
-                                            cache, jax.random.key(0), eos, greedy)
-  args = (sampler.params, first, done, cache, key, eos)
+  state = sampler.prefill(sampler.to_device(tokens), sampler.to_device(lengths), cache,
+                          jax.random.key(0), eos, greedy)
+  args = (sampler.params, state, eos)
   step = functools.partial(sampler.steps.decode, sampling=greedy,
                            attention_impl=sampler.attention_impl)
   compiled = step.func.lower(*args, **step.keywords).compile()
   skinny = "jaxflash_skinny_matmul" in str(jax.make_jaxpr(step)(*args))
-  before = jax.tree.map(lambda x: x.sharding, cache)
-  _, _, after_cache, _ = sampler.decode(first, done, cache, key, eos, greedy)
-  after = jax.tree.map(lambda x: x.sharding, after_cache)
+  before = jax.tree.map(lambda x: x.sharding, state.cache)
+  after = jax.tree.map(lambda x: x.sharding, sampler.decode(state, eos, greedy).cache)
   return created, pool_shape, before, after, compiled.as_text(), skinny
 
 

@@ -1,4 +1,4 @@
-"""One-token KV cache write (jaxflash/cache_write.py) against a NumPy write.
+"""One-token KV cache write (jaxflash/fused/cache_write.py) against a NumPy write.
 
 Every other row of the cache must come back bit-identical, the written rows must hold the
 new token exactly (cast to the cache's dtype), and dropped writes (negative positions,
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.cache_write import kv_cache_write, kv_cache_write_reference
+from jaxflash.fused.cache_write import kv_cache_write, kv_cache_write_reference
 from tests.conftest import random_array
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32

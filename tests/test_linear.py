@@ -1,4 +1,4 @@
-"""Skinny matmul (jaxflash/linear.py) against a float64 product.
+"""Skinny matmul (jaxflash/fused/linear.py) against a float64 product.
 
 Shapes cover ragged K and N (masked last tiles), 1..16 rows, several K chunks (fp32
 partials summed outside the kernel) and one chunk (the kernel writes the result itself).
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.linear import LinearConfig, k_chunks, skinny_matmul, skinny_matmul_reference
+from jaxflash.fused.configs import LinearConfig
+from jaxflash.fused.linear import k_chunks, skinny_matmul, skinny_matmul_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -120,3 +121,14 @@ def test_weights_of_different_dtypes_are_refused():
 
 def test_public_name():
   assert jaxflash.skinny_matmul is skinny_matmul and jaxflash.LinearConfig is LinearConfig
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(block_n=48), "block_n must be a power of two"),
+    (dict(block_k=8), "block_k must be a power of two"),
+    (dict(num_warps=0), "num_warps must be a positive int"),
+    (dict(num_splits=0), "num_splits must be None or a positive int"),
+])
+def test_bad_configs_are_refused(changes, match):
+  with pytest.raises(ValueError, match=match):
+    LinearConfig(**changes)

@@ -1,4 +1,4 @@
-"""Fused RMSNorm + q/k/v + bias + RoPE (jaxflash/qkv.py) against a float64 NumPy version.
+"""Fused RMSNorm + q/k/v + bias + RoPE (jaxflash/fused/qkv.py) against a float64 NumPy version.
 
 Cases cover GQA ratios (1 to 8, with 5 and 7), head dims 64 to 256 with 80 and 96 (whose
 halves are not multiples of the 16-dim slices: masked), K that is not a multiple of the
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.cache_write import kv_cache_write_reference
-from jaxflash.linear import LinearConfig
-from jaxflash.qkv import qkv_projection, qkv_projection_reference
+from jaxflash.fused.cache_write import kv_cache_write_reference
+from jaxflash.fused.configs import LinearConfig
+from jaxflash.fused.qkv import qkv_projection, qkv_projection_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32

@@ -7,6 +7,9 @@ already runs them end to end against transformers.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 import os
 import shutil
 
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxflash
 import models.qwen2 as qwen2
 from models.qwen2.sampling import SamplingParams, sample_logits
 
@@ -39,6 +43,8 @@ def test_config_from_hf_dict():
   config = qwen2.Qwen2Config.from_hf_dict(QWEN25_STYLE)
   assert config == qwen2.Qwen2Config.qwen2_5_0_5b(eos_token_id=151645)
   assert config.head_dim == 64  # hidden / heads when the file has no head_dim
+  # The sliding-window keys are parsed; the window is kept only where it is used (as in HF).
+  assert (config.use_sliding_window, config.sliding_window, config.max_window_layers) == (False, None, None)
   # transformers 5 nests rope_theta in rope_parameters and writes "dtype".
   v5 = {**QWEN25_STYLE, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
         "dtype": "float32", "head_dim": 32, "eos_token_id": [1, 2]}
@@ -53,6 +59,8 @@ def test_config_from_hf_dict():
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, NotImplementedError),
     ({"use_sliding_window": True}, NotImplementedError),
     ({"num_key_value_heads": 3}, ValueError),
+    ({"num_attention_heads": 0}, ValueError),
+    ({"vocab_size": -1}, ValueError),
 ])
 def test_config_refuses_what_it_cannot_run(change, error):
   with pytest.raises(error):
@@ -77,53 +85,183 @@ def test_random_model_forward():
   assert np.isfinite(np.asarray(logits, np.float32)).all()
 
 
+def _empty_cache(model, batch, capacity=32, kind="contiguous"):
+  if kind == "paged":
+    cache = qwen2.PagedCache.create(model.config, batch, capacity, model.dtype, page_size=8)
+    table = jnp.arange(batch * cache.block_table.shape[1], dtype=jnp.int32).reshape(batch, -1)
+    return dataclasses.replace(cache, block_table=table)
+  return qwen2.ContiguousCache.create(model.config, batch, capacity, model.dtype)
+
+
+def _jaxpr(fn, *args) -> str:
+  return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_step_plan_follows_the_batch():
+  """One plan per call, from the model and the batch: the decode-step kernels for a call
+  with a cache of at most 16 rows, split-KV into the output projection at one row, the
+  cache write in the q/k/v kernel for one token a row; nothing of it without a cache."""
+  model = qwen2.random_model(qwen2.Qwen2Config.tiny(), seed=0)
+  cache = _empty_cache(model, 1)
+  build = lambda shape, c=cache, **kw: qwen2.StepPlan.build(model, shape, c, **kw)
+  assert build((1, 1)) == qwen2.StepPlan(skinny=True, fused_qkv=True, cache_write="qkv",
+                                         qkv_counters=True, residual_norm=True, split_kv=True)
+  assert not build((2, 1)).split_kv and build((2, 1)).cache_write == "qkv"
+  assert build((3, 5)).cache_write == "scatter" and build((3, 5)).fused_qkv  # a prompt chunk
+  assert build((17, 1)) == qwen2.StepPlan(cache_write="kernel")  # too many rows for the fusions
+  assert build((2, 8), None) == qwen2.StepPlan()  # no cache: plain XLA, differentiable
+  assert not build((1, 1), attention_impl="xla").split_kv
+  # Head dim 80 does not divide the q/k/v kernel's 128-column blocks: two launches, no counters.
+  wide_heads = qwen2.random_model(qwen2.Qwen2Config.tiny(head_dim=80), seed=0)
+  plan = qwen2.StepPlan.build(wide_heads, (1, 1), _empty_cache(wide_heads, 1))
+  assert plan.fused_qkv and not plan.qkv_counters
+  with pytest.raises(ValueError, match="split_kv needs residual_norm"):
+    qwen2.StepPlan(skinny=True, split_kv=True)
+  with pytest.raises(ValueError, match="cache_write"):
+    qwen2.StepPlan(cache_write="in place")
+
+
 def test_skinny_projections_match_xla_dots():
-  """Decode-sized inputs (<= 16 rows) go through jaxflash.skinny_matmul: same logits as
-  XLA's dots, and larger inputs never do (the kernel refuses more than 16 rows)."""
+  """A step with a cache and at most 16 rows multiplies through jaxflash.skinny_matmul: the
+  same logits as XLA's dots (another plan); more rows, or no cache, never do."""
   config = qwen2.Qwen2Config.tiny()
   model = qwen2.random_model(config, seed=1)
   ids = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (3, 5)))  # 15 rows
+  cache = _empty_cache(model, 3)
+  plain = qwen2.StepPlan(attention_impl="xla")
+  call = lambda t, c, plan=None: model(t, cache=c, attention_impl=None if plan else "xla", plan=plan)[0]
   with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
-    skinny = model(ids, attention_impl="xla")
-    model.skinny_decode = False
-    plain = model(ids, attention_impl="xla")
-  np.testing.assert_allclose(np.asarray(skinny), np.asarray(plain), rtol=2e-5, atol=2e-5)
-  model.skinny_decode = True
-  assert "jaxflash_skinny_matmul" in str(jax.make_jaxpr(lambda t: model(t, attention_impl="xla"))(ids))
+    skinny, apart = call(ids, cache), call(ids, cache, plain)
+    without_cache = model(ids, attention_impl="xla")
+  np.testing.assert_allclose(np.asarray(skinny), np.asarray(apart), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(without_cache), np.asarray(apart), rtol=2e-5, atol=2e-5)
+  assert "jaxflash_skinny_matmul" in _jaxpr(call, ids, cache)
+  assert "pallas_call" not in _jaxpr(lambda t: model(t, attention_impl="xla"), ids)
   wide = jnp.concatenate([ids, ids], axis=1)  # 30 rows: XLA's dots
-  assert "skinny" not in str(jax.make_jaxpr(lambda t: model(t, attention_impl="xla"))(wide))
+  assert "skinny" not in _jaxpr(call, wide, _empty_cache(model, 3, 64))
 
 
-def skinny_calls_of(fn, x) -> int:
-  return str(jax.make_jaxpr(fn)(x)).count("pallas_call")
+def _attention_kernels_differentiable() -> bool:
+  q = jnp.ones((1, 16, 1, 16), jnp.float32)
+  try:
+    jax.grad(lambda q: jaxflash.attention(q, q, q, is_causal=True).sum())(q)
+  except Exception:  # no VJP: a JVP rule error from Pallas, whatever its type
+    return False
+  return True
 
 
-def test_projector_routes_small_weights_to_one_skinny_launch(monkeypatch):
-  """q/k/v-like weights sharing x run in ONE skinny launch, with their biases; a weight over
-  SKINNY_MAX_WEIGHT elements, unless it is tall (K >= 4 N: a down projection), or more
-  than 16 rows, stays an XLA dot."""
-  from models.qwen2 import linear as linear_module
+@pytest.mark.parametrize("impl", [None, "xla"], ids=["default", "xla"])
+def test_gradient_of_a_small_batch(impl):
+  """model(ids) without a cache is a training forward pass: with B * T <= 16 rows it takes
+  none of the forward-only decode-step kernels, so jax.grad of a next-token loss works; the
+  gradient's derivative along a random direction matches a central difference of the loss."""
+  config = qwen2.Qwen2Config.tiny(num_hidden_layers=1)
+  model = qwen2.random_model(config, seed=2)
+  graphdef, params = nnx.split(model)
+  ids = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 6)))  # 12 rows
+  forward = _jaxpr(lambda t: model(t, attention_impl=impl), ids)
+  for kernel in ("skinny_matmul", "qkv", "add_rms_norm", "kv_cache_write", "split_kv_projection"):
+    assert f"jaxflash_{kernel}" not in forward
+  if impl is None and not _attention_kernels_differentiable():
+    pytest.skip("jaxflash.attention's kernels have no backward pass yet (issue 20)")
+
+  def loss(params):
+    logits = nnx.merge(graphdef, params)(ids, attention_impl=impl)  # [B, T, vocab]
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+
+  grads = jax.grad(loss)(params)
+  leaves = jax.tree.leaves(grads)
+  assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+  keys = iter(jax.random.split(jax.random.key(0), len(leaves)))
+  direction = jax.tree.map(lambda g: jax.random.normal(next(keys), g.shape, g.dtype), grads)
+  norm = np.sqrt(sum(float(jnp.vdot(d, d)) for d in jax.tree.leaves(direction)))
+  direction = jax.tree.map(lambda d: d / norm, direction)  # a unit step over all parameters
+  along = sum(float(jnp.vdot(g, d)) for g, d in zip(leaves, jax.tree.leaves(direction)))
+  eps = 1e-2
+  step = lambda sign: jax.tree.map(lambda p, d: p + sign * eps * d, params, direction)
+  central = (float(loss(step(1))) - float(loss(step(-1)))) / (2 * eps)
+  np.testing.assert_allclose(along, central, rtol=2e-2, atol=1e-3)
+
+
+def test_projections_route_weights_by_shape(monkeypatch):
+  """Weights sharing x run in ONE skinny launch, with their biases; a weight over
+  SKINNY_MAX_WEIGHT elements stays an XLA dot unless tall (K >= 4 N: a down projection) or
+  wide (N >= 4 K: gate and up, with narrow column blocks)."""
+  from jaxflash.fused import configs as fused_configs
+  from models.qwen2 import linear
   rngs = nnx.Rngs(0)
   q = nnx.Linear(32, 16, use_bias=True, bias_init=nnx.initializers.normal(1.0), rngs=rngs)
   k = nnx.Linear(32, 8, use_bias=True, bias_init=nnx.initializers.normal(1.0), rngs=rngs)
   big = nnx.Linear(32, 24, use_bias=False, rngs=rngs)
   tall = nnx.Linear(128, 32, use_bias=False, rngs=rngs)  # 4096 elements, K = 4 N
-  wide = nnx.Linear(32, 128, use_bias=False, rngs=rngs)  # N = 4 K: skinny only with `wide`
-  monkeypatch.setattr(linear_module, "SKINNY_MAX_WEIGHT", 32 * 16)
-  projector = linear_module.Projector(skinny=True)
-  assert skinny_calls_of(lambda x: projector(wide, x, "column"), jnp.zeros((1, 32))) == 0
-  wide_projector = linear_module.Projector(skinny=True, wide=True)
-  assert skinny_calls_of(lambda x: wide_projector(wide, x, "column"), jnp.zeros((1, 32))) == 1
-  assert linear_module._config((wide.kernel[...],)) == linear_module.WIDE_CONFIG
+  wide = nnx.Linear(32, 128, use_bias=False, rngs=rngs)  # N = 4 K
+  monkeypatch.setattr(fused_configs, "SKINNY_MAX_WEIGHT", 32 * 16)
+  plan = qwen2.StepPlan(skinny=True)
+  launches = lambda layers, x: _jaxpr(lambda x: linear.project(layers, x, plan, "column"), x).count("pallas_call")
   x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 2, 32)), jnp.float32)
-
-  assert skinny_calls_of(lambda x: projector.many((q, k), x, "column"), x) == 1
-  assert skinny_calls_of(lambda x: projector(big, x, "row"), x) == 0
-  assert skinny_calls_of(lambda x: projector(tall, x, "row"), jnp.zeros((1, 2, 128))) == 1
-  assert skinny_calls_of(lambda x: projector.many((q, k), x, "column"), jnp.zeros((17, 32))) == 0
+  assert launches((q, k), x) == 1
+  assert launches((big,), x) == 0
+  assert launches((tall,), jnp.zeros((1, 2, 128))) == 1
+  assert launches((wide,), x) == 1 and linear.skinny_config((wide.kernel[...],)) == fused_configs.WIDE_CONFIG
+  assert _jaxpr(lambda x: linear.project((q, k), x, qwen2.StepPlan(), "column"), x).count("pallas_call") == 0
   with jax.default_matmul_precision("highest"):
-    for out, layer in zip(projector.many((q, k), x, "column"), (q, k)):
+    for out, layer in zip(linear.project((q, k), x, plan, "column"), (q, k)):
       np.testing.assert_allclose(np.asarray(out), np.asarray(layer(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_token_ids_out_of_range_raise():
+  model = qwen2.random_model(qwen2.Qwen2Config.tiny(), seed=0)
+  with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
+    model(jnp.asarray([[1, 256]]))
+  with pytest.raises(ValueError, match="token ids"):
+    model(jnp.asarray([[-1, 2]]))
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_chunked_prefill_matches_one_shot(kind):
+  """A prompt written through the cache in chunks (positions after the cached tokens, each
+  chunk attending to the cache and to itself, bottom-right causal) gives the logits and the
+  greedy continuation of the prompt in one call; rows of different lengths included."""
+  config = qwen2.Qwen2Config.tiny(num_hidden_layers=1)
+  model = qwen2.random_model(config, seed=3)
+  rng = np.random.default_rng(3)
+  ids = jnp.asarray(rng.integers(0, config.vocab_size, (2, 11)), jnp.int32)
+  lengths = jnp.asarray([11, 7], jnp.int32)
+  want = np.asarray(model(ids, lengths=lengths, attention_impl="xla"))
+
+  def prefill(chunks, impl):
+    cache, pieces = _empty_cache(model, 2, 32, kind), []
+    for start, stop in chunks:
+      chunk_lengths = jnp.clip(lengths - start, 0, stop - start)
+      logits, cache = model(ids[:, start:stop], cache=cache, lengths=chunk_lengths, attention_impl=impl)
+      pieces.append(np.asarray(logits))
+    return np.concatenate(pieces, axis=1), cache
+
+  def continuation(chunks, impl, steps=3):
+    """Greedy tokens [steps][B] after prefilling the prompt in `chunks`."""
+    _, cache = prefill(chunks, impl)
+    token = jnp.argmax(jnp.asarray(want)[jnp.arange(2), lengths - 1], axis=-1)[:, None]
+    tokens = []
+    for _ in range(steps):
+      logits, cache = model(token.astype(jnp.int32), cache=cache, attention_impl=impl)
+      token = jnp.argmax(logits[:, -1], axis=-1)[:, None]
+      tokens.append(np.asarray(token[:, 0]).tolist())
+    return tokens
+
+  # jaxflash's plain-JAX path over several chunkings (row 1 gets no new token in the last
+  # chunk of the second), then the kernels (prefill, then decode) over three chunks.
+  cases = [("xla", [(0, 11)]), ("xla", [(0, 8), (8, 11)]), ("xla", [(0, 3), (3, 5), (5, 11)]),
+           (None, [(0, 3), (3, 5), (5, 11)])]
+  for impl, chunks in cases:
+    got, cache = prefill(chunks, impl)
+    assert np.asarray(cache.lengths).tolist() == [11, 7]
+    for row, n in enumerate(np.asarray(lengths)):
+      np.testing.assert_allclose(got[row, :n], want[row, :n], rtol=2e-5, atol=2e-5,
+                                 err_msg=f"{impl} {chunks} row {row}")
+  one_shot = continuation([(0, 11)], "xla")
+  assert continuation([(0, 3), (3, 5), (5, 11)], "xla") == one_shot
+  assert continuation([(0, 3), (3, 5), (5, 11)], None, steps=2) == one_shot[:2]
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -257,22 +395,27 @@ def _cache_sized_copies(hlo: str, cache_array) -> list[str]:
           if " copy(" in l and shape in l.split("=", 1)[1].split("(", 1)[0]]
 
 
+def _prefilled(sampler, eos):
+  """A LoopState after prefilling two prompts (lengths 3 and 2) into a fresh cache."""
+  return sampler.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32), jnp.asarray([3, 2], jnp.int32),
+                         sampler.make_cache(2, 32), jax.random.key(0), eos, SamplingParams())
+
+
 def test_decode_step_returns_its_inputs_buffers(model):
-  """The decode step donates everything it returns (tokens, done, cache, key): every output
-  reuses its input's buffer, so the step's CUDA graph keeps its addresses (sampler.py)."""
+  """The decode step donates everything it returns (its LoopState: tokens, done, cache,
+  workspace, key): every output reuses its input's buffer, so the step's CUDA graph keeps
+  its addresses (sampler.py)."""
   sampler = qwen2.Sampler(model, cache="contiguous", attention_impl="xla")
-  cache = sampler.make_cache(2, 32)
   eos = jnp.asarray([-1], jnp.int32)
-  tokens = jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32)
-  state = sampler.prefill(tokens, jnp.asarray([3, 2], jnp.int32), cache, jax.random.key(0), eos,
-                          SamplingParams())
+  state = _prefilled(sampler, eos)
+  assert isinstance(state, qwen2.LoopState)
+  chex.assert_shape((state.tokens, state.done), (2,))
   before = jax.tree.leaves(state)
-  after = jax.tree.leaves(sampler.decode(*state, eos, SamplingParams()))
+  after = sampler.decode(state, eos, SamplingParams())
   assert all(x.is_deleted() for x in before)  # donated
-  compiled = sampler.steps.decode.lower(sampler.params, *jax.tree.unflatten(
-      jax.tree.structure(state), after), eos, sampling=SamplingParams(),
-      attention_impl=sampler.attention_impl).compile()
-  assert _donated_outputs(compiled.as_text()) == len(after)
+  compiled = sampler.steps.decode.lower(sampler.params, after, eos, sampling=SamplingParams(),
+                                        attention_impl=sampler.attention_impl).compile()
+  assert _donated_outputs(compiled.as_text()) == len(jax.tree.leaves(after))
 
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
@@ -295,121 +438,97 @@ def test_several_steps_per_call_give_the_single_step_tokens(model, cache):
 
 def test_multi_step_call_donates_its_outputs_and_copies_no_cache(model):
   """Like the single step: every output of a multi-step call reuses its input's buffer
-  (tokens, done, cache, key, history), and the loop over steps updates the cache in place.
-  The one-launch q/k/v kernel leaves the cache's counters zero, ready for the next call."""
+  (the LoopState and the history), and the loop over steps updates the cache in place.
+  The one-launch q/k/v kernel leaves the workspace's counters zero, ready for the next call."""
   sampler = qwen2.Sampler(model, cache="contiguous", attention_impl="xla", steps_per_call=3)
   eos = jnp.asarray([-1], jnp.int32)
-  state = sampler.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32),
-                          jnp.asarray([3, 2], jnp.int32), sampler.make_cache(2, 32),
-                          jax.random.key(0), eos, SamplingParams())
+  state = _prefilled(sampler, eos)
   history = jnp.full((3, 2), -1, jnp.int32)
   before = jax.tree.leaves((state, history))
-  after = sampler.decode_steps(*state, history, 2, eos, SamplingParams())
+  state, history = sampler.decode_steps(state, history, 2, eos, SamplingParams())
   assert all(x.is_deleted() for x in before)  # donated
-  chex.assert_shape(after[4], (3, 2))
-  assert (np.asarray(after[4])[2] == 0).all()  # the third step was not live: no tokens
-  assert np.asarray(after[2].lengths).tolist() == [5, 4]  # two tokens written, not three
-  chex.assert_shape(after[2].counters, (qwen2.cache.COUNTER_SLOTS,))
-  assert not np.asarray(after[2].counters).any()
+  chex.assert_shape(history, (3, 2))
+  assert (np.asarray(history)[2] == 0).all()  # the third step was not live: no tokens
+  assert np.asarray(state.cache.lengths).tolist() == [5, 4]  # two tokens written, not three
+  chex.assert_shape(state.workspace.qkv_counters, (qwen2.plan.COUNTER_SLOTS,))
+  assert not np.asarray(state.workspace.qkv_counters).any()
   compiled = sampler.steps.decode_steps.lower(
-      sampler.params, *after, jnp.int32(3), eos, sampling=SamplingParams(),
-      attention_impl=sampler.attention_impl).compile().as_text()
-  assert _donated_outputs(compiled) == len(jax.tree.leaves(after))
-  assert not _cache_sized_copies(compiled, after[2].layer(0).keys)
+      sampler.params, state, history, jnp.int32(3), eos, sampling=SamplingParams(),
+      attention_impl="xla").compile().as_text()
+  assert _donated_outputs(compiled) == len(jax.tree.leaves((state, history)))
+  assert not _cache_sized_copies(compiled, state.cache.layer(0).keys)
 
 
-@pytest.mark.parametrize("fused_qkv", [True, False], ids=["in_qkv_projection", "kv_cache_write"])
+def _decode_plan(model, cache_kind, batch, impl=None, **changes):
+  """The default plan of a decode step of `batch` rows, with `changes` (an A/B run's)."""
+  plan = qwen2.StepPlan.build(model, (batch, 1), _empty_cache(model, batch, 32, cache_kind), impl)
+  return dataclasses.replace(plan, **changes)
+
+
+@pytest.mark.parametrize("writer", ["qkv", "kernel"])
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
-def test_cache_write_kernel_matches_the_scatter(model, cache, fused_qkv):
-  """Decode steps write new keys/values with a kernel (jaxflash.qkv_projection's, or
-  jaxflash.kv_cache_write without the fused q/k/v): the same tokens as XLA's
-  scatter, and the compiled step copies no cache-sized buffer (written in place)."""
+def test_cache_write_kernel_matches_the_scatter(model, cache, writer):
+  """Decode steps write new keys/values with a kernel (jaxflash.qkv_projection's by default,
+  or jaxflash.kv_cache_write where the q/k/v products are not fused): the same tokens as
+  XLA's scatter, and the compiled step copies no cache-sized buffer (written in place)."""
   prompts = _prompts()
-  run = lambda: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache=cache,
-                               page_size=8)
-  model.fused_qkv = fused_qkv
-  try:
-    with_kernel = run()
-    model.cache_write_kernel = False
-    try:
-      assert run() == with_kernel
-    finally:
-      model.cache_write_kernel = True
-    sampler = qwen2.Sampler(model, cache=cache, attention_impl="xla", page_size=8)
-    kv = sampler.make_cache(2, 32)
-    eos = jnp.asarray([-1], jnp.int32)
-    state = sampler.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]], jnp.int32), jnp.asarray([3, 2], jnp.int32),
-                            kv, jax.random.key(0), eos, SamplingParams())
-    step = lambda *args: sampler.steps.decode(*args, sampling=SamplingParams(),
-                                               attention_impl=sampler.attention_impl)
-    jaxpr = str(jax.make_jaxpr(step)(sampler.params, *state, eos))
-    writer = "jaxflash_qkv_projection" if fused_qkv else "jaxflash_kv_cache_write"
-    assert writer in jaxpr and "scatter" not in jaxpr
-    lowered = sampler.steps.decode.lower(sampler.params, *state, eos, sampling=SamplingParams(),
-                                         attention_impl=sampler.attention_impl)
-  finally:
-    model.fused_qkv = True
-  copies = _cache_sized_copies(lowered.compile().as_text(), kv.layer(0).keys)
+  apart = dict(fused_qkv=False, cache_write="kernel", qkv_counters=False)
+  plan = _decode_plan(model, cache, 2, "xla", **({} if writer == "qkv" else apart))
+  scatter = dataclasses.replace(plan, cache_write="scatter", qkv_counters=False)
+  sampler = lambda plan: qwen2.Sampler(model, cache=cache, page_size=8, attention_impl="xla", plan=plan)
+  assert sampler(plan)(prompts, NEW_TOKENS).tokens == sampler(scatter)(prompts, NEW_TOKENS).tokens
+  sampler = sampler(plan)
+  eos = jnp.asarray([-1], jnp.int32)
+  state = _prefilled(sampler, eos)
+  step = lambda *args: sampler.steps.decode(*args, sampling=SamplingParams(), attention_impl="xla",
+                                             plan=plan)
+  jaxpr = _jaxpr(step, sampler.params, state, eos)
+  name = "jaxflash_qkv_projection" if writer == "qkv" else "jaxflash_kv_cache_write"
+  assert name in jaxpr and "scatter" not in jaxpr
+  compiled = sampler.steps.decode.lower(sampler.params, state, eos, sampling=SamplingParams(),
+                                        attention_impl="xla", plan=plan).compile().as_text()
+  copies = _cache_sized_copies(compiled, state.cache.layer(0).keys)
   assert not copies, copies
 
 
-@pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launches"])
-def test_fused_qkv_matches_the_separate_steps(model, one_launch):
-  """Decode-sized inputs (<= 16 rows) take jaxflash.qkv_projection for the pre-attention
-  RMSNorm, q/k/v, biases and RoPE (one kernel, or two with one_launch_qkv off): the same
-  logits as those steps apart, the same generated tokens, and larger inputs never take it."""
+def test_fused_qkv_matches_the_separate_steps(model):
+  """Steps with a cache and at most 16 rows take jaxflash.qkv_projection for the
+  pre-attention RMSNorm, q/k/v, biases and RoPE: the same logits as those steps apart (a
+  plan without the fusion), the same generated tokens; more rows never take it."""
   ids = jnp.asarray(np.random.default_rng(3).integers(0, model.config.vocab_size, (2, 7)))  # 14 rows
-  call = lambda t: model(t, attention_impl="xla")
-  kernel = "jaxflash_qkv_projection" if one_launch else "jaxflash_qkv_finish"
-  model.one_launch_qkv = one_launch
-  try:
-    assert kernel in str(jax.make_jaxpr(call)(ids))
-    wide = jnp.concatenate([ids, ids, ids], axis=1)  # 42 rows
-    assert "jaxflash_qkv" not in str(jax.make_jaxpr(call)(wide))
-    prompts = _prompts()
-    run = lambda: qwen2.generate(model, prompts, NEW_TOKENS, attention_impl="xla", cache="paged", page_size=8)
-    with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
-      fused_logits, fused_tokens = call(ids), run()
-      model.fused_qkv = False
-      try:
-        assert "jaxflash_qkv" not in str(jax.make_jaxpr(call)(ids))
-        apart_logits, apart_tokens = call(ids), run()
-      finally:
-        model.fused_qkv = True
-  finally:
-    model.one_launch_qkv = True
-  np.testing.assert_allclose(np.asarray(fused_logits), np.asarray(apart_logits), rtol=2e-5, atol=2e-5)
-  assert fused_tokens == apart_tokens
-
-
-@pytest.mark.parametrize("switch", ["fused_residual_norm", "skinny_wide"])
-def test_decode_step_switches_keep_the_logits(model, switch, monkeypatch):
-  """The residual add + RMSNorm kernel after the output projection, and the MLP's gate and up
-  (wide weights) through the skinny kernel: the same logits as without them, and only for
-  decode-sized inputs."""
-  from models.qwen2 import linear as linear_module
-  # The tiny model's gate and up (64 x 128) are small and only 2x wide: with these limits
-  # only `skinny_wide` sends them to the kernel (the down projection, 128 x 64, counts as
-  # tall and takes it either way).
-  monkeypatch.setattr(linear_module, "SKINNY_MAX_WEIGHT", 64 * 64)
-  monkeypatch.setattr(linear_module, "SKINNY_MIN_ASPECT", 2)
-  ids = jnp.asarray(np.random.default_rng(4).integers(0, model.config.vocab_size, (2, 5)))  # 10 rows
-  call = lambda t: model(t, attention_impl="xla")
-  jaxpr = lambda t: str(jax.make_jaxpr(lambda u: call(u))(t))  # a fresh function: traced anew
-  wide = jaxpr(jnp.concatenate([ids, ids], axis=1))  # 20 rows: XLA everywhere
-  assert "skinny" not in wide and "add_rms_norm" not in wide
+  cache = _empty_cache(model, 2)
+  apart = dataclasses.replace(qwen2.StepPlan.build(model, ids.shape, cache), fused_qkv=False)
+  call = lambda t, c, plan=None: model(t, cache=c, plan=plan)[0]
+  assert "jaxflash_qkv_projection" in _jaxpr(call, ids, cache)
+  assert "jaxflash_qkv" not in _jaxpr(functools.partial(call, plan=apart), ids, cache)
+  wide = jnp.concatenate([ids, ids, ids], axis=1)  # 42 rows
+  assert "jaxflash_qkv" not in _jaxpr(call, wide, _empty_cache(model, 2, 64))
+  prompts = _prompts()
+  decode_apart = _decode_plan(model, "paged", 2, "xla", fused_qkv=False, cache_write="kernel",
+                              qkv_counters=False)
+  run = lambda plan: qwen2.Sampler(model, cache="paged", page_size=8, attention_impl="xla",
+                                   plan=plan)(prompts, NEW_TOKENS).tokens
   with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
-    on, text_on = call(ids), jaxpr(ids)
-    setattr(model, switch, False)
-    try:
-      off, text_off = call(ids), jaxpr(ids)
-    finally:
-      setattr(model, switch, True)
-  if switch == "fused_residual_norm":
-    assert "jaxflash_add_rms_norm" in text_on and "jaxflash_add_rms_norm" not in text_off
-  else:  # gate and up leave XLA's dots for one more kernel (printed once for all layers)
-    assert text_on.count("pallas_call") == text_off.count("pallas_call") + 1
-  np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=2e-5, atol=2e-5)
+    fused_logits, apart_logits = call(ids, cache), call(ids, cache, apart)
+    assert run(None) == run(decode_apart)
+  np.testing.assert_allclose(np.asarray(fused_logits), np.asarray(apart_logits), rtol=2e-5, atol=2e-5)
+
+
+def test_residual_norm_kernel_keeps_the_logits(model):
+  """The residual add + RMSNorm kernel after the output projection (jaxflash.add_rms_norm):
+  the same logits as XLA's add and norm, and only in steps with a cache of <= 16 rows."""
+  ids = jnp.asarray(np.random.default_rng(4).integers(0, model.config.vocab_size, (2, 5)))  # 10 rows
+  cache = _empty_cache(model, 2)
+  plan = qwen2.StepPlan.build(model, ids.shape, cache)
+  off = dataclasses.replace(plan, residual_norm=False)
+  call = lambda t, c, plan=None: model(t, cache=c, plan=plan)[0]
+  wide = _jaxpr(call, jnp.concatenate([ids, ids], axis=1), cache)  # 20 rows: XLA everywhere
+  assert "skinny" not in wide and "add_rms_norm" not in wide
+  assert "jaxflash_add_rms_norm" in _jaxpr(call, ids, cache)
+  assert "jaxflash_add_rms_norm" not in _jaxpr(functools.partial(call, plan=off), ids, cache)
+  with jax.default_matmul_precision("highest"):  # XLA's fp32 dots on a GPU default to TF32
+    on, apart = call(ids, cache), call(ids, cache, off)
+  np.testing.assert_allclose(np.asarray(on), np.asarray(apart), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
@@ -419,25 +538,71 @@ def test_decode_step_merges_attention_in_the_output_projection(model, cache_kind
   add_rms_norm; a batch of 2 keeps the merge kernel and the skinny product. Either way, the
   same tokens as the separate merge, product, add and norm."""
   prompts = _prompts()
-  sampler = qwen2.Sampler(model, cache=cache_kind, page_size=8)
 
-  def step_jaxpr(batch):
-    cache = sampler.make_cache(batch, 32)
-    return str(jax.make_jaxpr(lambda t, c: model(t, cache=c))(jnp.zeros((batch, 1), jnp.int32), cache))
+  def step_jaxpr(batch, plan=None):
+    cache = _empty_cache(model, batch, 32, cache_kind)
+    return _jaxpr(lambda t, c: model(t, cache=c, plan=plan), jnp.zeros((batch, 1), jnp.int32), cache)
 
-  run = lambda: [qwen2.generate(model, p, NEW_TOKENS, cache=cache_kind, page_size=8)
-                 for p in (prompts[:1], prompts)]
-  assert "jaxflash_split_kv_projection" in step_jaxpr(1)
+  one = _decode_plan(model, cache_kind, 1)
+  assert one.split_kv and "jaxflash_split_kv_projection" in step_jaxpr(1)
   batch_two = step_jaxpr(2)
   assert "jaxflash_split_kv_projection" not in batch_two and "jaxflash_add_rms_norm" in batch_two
-  fused = run()
-  model.fused_residual_norm = False
-  try:
-    assert "jaxflash_split_kv_projection" not in step_jaxpr(1)
-    apart = run()
-  finally:
-    model.fused_residual_norm = True
-  assert fused == apart
+  apart = dataclasses.replace(one, residual_norm=False, split_kv=False)
+  assert "jaxflash_split_kv_projection" not in step_jaxpr(1, apart)
+  run = lambda plan: qwen2.Sampler(model, cache=cache_kind, page_size=8, plan=plan)(
+      prompts[:1], NEW_TOKENS).tokens
+  assert run(None) == run(apart)
+
+
+def _kernel_counts(jaxpr, counts=None) -> collections.Counter:
+  """Pallas kernels by name, XLA dots and scatters, over every nested jaxpr (each call counted)."""
+  counts = collections.Counter() if counts is None else counts
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      name = eqn.params.get("name_and_src_info", eqn.params.get("name"))  # by JAX version
+      counts[str(name).split(" ")[0]] += 1
+      continue
+    if eqn.primitive.name in ("dot_general", "scatter"):
+      counts[eqn.primitive.name] += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          _kernel_counts(inner, counts)
+  return counts
+
+
+@pytest.mark.parametrize("preset, batch, kind, kernels", [
+    # Batch 1: per layer the one-launch q/k/v with the cache write, split-KV decode merged in
+    # the output projection, add_rms_norm, and two skinny products (gate+up wide, down tall).
+    ("1.5b", 1, "contiguous", dict(jaxflash_qkv_projection=28, jaxflash_decode=28,
+                                   jaxflash_split_kv_projection=28, jaxflash_add_rms_norm=28,
+                                   jaxflash_skinny_matmul=56, dot_general=1)),
+    # Batch 8: the merge kernel and the skinny o_proj instead of the split-KV projection.
+    ("1.5b", 8, "paged", dict(jaxflash_qkv_projection=28, jaxflash_paged_decode=28,
+                              jaxflash_decode_combine=28, jaxflash_add_rms_norm=28,
+                              jaxflash_skinny_matmul=84, dot_general=1)),
+    # More than 16 rows: XLA's dots, the cache-write kernel, the decode kernels.
+    ("1.5b", 32, "contiguous", dict(jaxflash_kv_cache_write=28, jaxflash_decode=28,
+                                    jaxflash_decode_combine=28, dot_general=197)),
+    # 7B's o_proj (3584 x 3584) is XLA's: no add_rms_norm, no split-KV projection.
+    ("7b", 1, "paged", dict(jaxflash_qkv_projection=28, jaxflash_paged_decode=28,
+                            jaxflash_decode_combine=28, jaxflash_skinny_matmul=56, dot_general=29)),
+])
+def test_decode_step_kernels_of_the_published_shapes(preset, batch, kind, kernels):
+  """The kernels a decode step of Qwen2.5-1.5B / 7B launches (abstract shapes, nothing run):
+  the figures of the H200 benchmarks rest on exactly these (bench/profile_step.py)."""
+  config = {"1.5b": qwen2.Qwen2Config.qwen2_5_1_5b, "7b": qwen2.Qwen2Config.qwen2_5_7b}[preset]()
+  model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                       param_dtype=jnp.bfloat16))
+  graphdef, state = nnx.split(model)
+  cache_type = qwen2.PagedCache if kind == "paged" else qwen2.ContiguousCache
+  cache = jax.eval_shape(lambda: cache_type.create(config, batch, 1024, jnp.bfloat16))
+  step = lambda state, tokens, cache, lengths: nnx.merge(graphdef, state)(tokens, cache=cache,
+                                                                          lengths=lengths)
+  closed = jax.make_jaxpr(step)(state, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache,
+                                jax.ShapeDtypeStruct((batch,), jnp.int32))
+  assert dict(_kernel_counts(closed.jaxpr)) == kernels
 
 
 def test_finished_sequences_return_their_pages(model):
@@ -517,3 +682,40 @@ def test_generate_command_with_checkpoint(checkpoint, tmp_path, capsys):
                        "--attention", "xla", "--cache", "contiguous", "--no-stream"]) == 0
   out = capsys.readouterr().out
   assert f"checkpoint {directory}" in out and "decode:" in out
+
+
+def test_generate_command_user_errors_print_one_line(checkpoint, tmp_path, capsys):
+  """A folder that does not exist, a .bin-only checkpoint and an empty prompt: one line on
+  stderr, exit status 2, no traceback."""
+  from models import generate as command
+  from models.tokenizer import byte_tokenizer
+  missing = tmp_path / "no_such_folder"
+  bin_only = tmp_path / "bin_only"
+  bin_only.mkdir()
+  shutil.copy(os.path.join(checkpoint, "config.json"), bin_only)
+  byte_tokenizer().save(str(bin_only / "tokenizer.json"))
+  (bin_only / "pytorch_model.bin").write_bytes(b"")
+  cases = [(["--checkpoint", str(missing)], "does not exist"),
+           (["--checkpoint", str(bin_only)], "safetensors"),
+           (["--prompt", ""], "prompt is empty")]
+  for argv, message in cases:
+    assert command.main(argv) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_generate_command_zero_new_tokens(capsys):
+  from models import generate as command
+  assert command.main(["--max-new-tokens", "0", "--prompt", "Hi"]) == 0
+  out = capsys.readouterr().out
+  assert "no new tokens" in out and "decode:" not in out
+
+
+def test_from_pretrained_expands_home(checkpoint, tmp_path, monkeypatch):
+  home = tmp_path / "home"
+  shutil.copytree(checkpoint, home / "qwen")
+  monkeypatch.setenv("HOME", str(home))
+  model = qwen2.from_pretrained("~/qwen")
+  assert model.config.vocab_size == qwen2.Qwen2Config.from_pretrained(checkpoint).vocab_size
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    qwen2.from_pretrained("~/elsewhere")

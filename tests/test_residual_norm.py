@@ -1,4 +1,4 @@
-"""add_rms_norm (jaxflash/residual_norm.py): h = x + sum(deltas), rms_norm(h) * scale.
+"""add_rms_norm (jaxflash/fused/residual_norm.py): h = x + sum(deltas), rms_norm(h) * scale.
 
 Against a float64 computation on fresh random data: one update or several K-chunk partial
 sums (from the skinny matmul's `return_partials`), rows 1..16, widths that are and are not
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.linear import LinearConfig
-from jaxflash.residual_norm import add_rms_norm_reference
+from jaxflash.fused.configs import LinearConfig
+from jaxflash.fused.residual_norm import add_rms_norm_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -64,7 +64,7 @@ def test_add_rms_norm_matches_float64(case, interpret, rng):
 
 def test_skinny_partials_feed_add_rms_norm(interpret, rng):
   """The output projection's K-chunk partial sums, added by add_rms_norm: what the model's
-  decode step runs (models/qwen2/linear.py, Projector.add_norm)."""
+  decode step runs (models/qwen2/norm.py, add_and_norm)."""
   heads, x = random_array(rng, (2, 1, 192), BF16), random_array(rng, (2, 1, 160), BF16)
   w = random_array(rng, (192, 160), BF16, scale=0.1)
   scale = random_array(rng, (160,), BF16, scale=0.5) + 1.0

@@ -1,4 +1,4 @@
-"""project_split_kv (jaxflash/split_kv_projection.py): split-KV decode's chunks merged and
+"""project_split_kv (jaxflash/fused/split_kv_projection.py): split-KV decode's chunks merged and
 multiplied by the output projection in one kernel.
 
 Against float64 attention followed by a float64 product, on fresh random data: contiguous and
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash.split_kv_projection import project_split_kv_reference
+from jaxflash.fused.split_kv_projection import project_split_kv_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 from tests.reference_np import attention_f64
 

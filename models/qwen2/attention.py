@@ -1,15 +1,17 @@
 """Qwen2 self-attention: GQA with biased q/k/v projections and RoPE, computed by jaxflash.
 
-Which kernel runs:
-  * no cache, or a prompt written into an empty cache (T > 1): the FlashAttention-2 prefill
-    kernel over the new tokens' own keys, causal, with `query_seq_lengths` =
-    `key_value_seq_lengths` = the valid (unpadded) tokens of each right-padded row;
-  * one new token per sequence with a cache (T == 1): the split-KV decode kernel over the
-    contiguous cache, or the paged decode kernel through the block table.
-`attention_impl` switches the same calls to jaxflash's plain-JAX path ("xla") or to
-`jax.nn.dot_product_attention(implementation="cudnn")` ("cudnn", for benchmarks).
+Which attention runs (`attend`):
+  * no cache: the new tokens over their own keys, causal, each right-padded row's valid
+    tokens (`lengths`) as both query and key lengths;
+  * a cache and T new tokens per row: they are written after the row's cached tokens, then
+    attend to everything cached plus themselves, causal with the diagonal bottom-right (query
+    t of row b sits at position cache_lengths[b] + t). T == 1 (a decode step) is the split-KV
+    decode kernel over the contiguous cache, or the paged decode kernel through the block
+    table; T > 1 (a prompt, or a chunk of one) the FlashAttention-2 prefill kernel.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,108 +19,134 @@ from flax import nnx
 
 import jaxflash
 from models.qwen2.cache import LayerKV
-from models.qwen2.config import ATTENTION_IMPLS
 from models.qwen2.initializers import dense_init
-from models.qwen2.linear import Projector
+from models.qwen2.linear import PartialSums, compute_dtype, project, skinny_partials
+from models.qwen2.norm import RMSNorm
+from models.qwen2.plan import DecodeWorkspace, StepPlan
 from models.qwen2.rope import apply_rope
 
 
-def dot_product_attention(query, key, value, *, impl: str | None, is_causal: bool = False,
-                          query_lengths=None, kv_lengths=None, block_table=None):
-  """query [B, T, N, H]; key/value [B, S, K, H] or pages [P, page, K, H] with block_table
-  [B, max_pages]; lengths [B] int32 -> [B, T, N, H]. Causal is bottom-right per sequence."""
-  if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-  if impl == "cudnn":
-    if block_table is not None:
-      key, value = jaxflash.gather_pages(key, block_table), jaxflash.gather_pages(value, block_table)
-    # jax.nn's causal mask is top-left aligned; the model only asks for causal attention
-    # when T == S (a prompt over its own keys), where both alignments agree.
-    return jax.nn.dot_product_attention(query, key, value, is_causal=is_causal,
-                                        query_seq_lengths=query_lengths,
-                                        key_value_seq_lengths=kv_lengths, implementation="cudnn")
+def dot_product_attention(query, key, value, *, impl: str | None, is_causal: bool,
+                          query_lengths=None, kv_lengths=None, block_table=None) -> jax.Array:
+  """query [B, T, N, H]; key/value [B, S, K, H] or page pools [P, page, K, H] with block_table
+  [B, max_pages]; lengths [B] int32 -> [B, T, N, H]. Causal is bottom-right per row: query t
+  of row b sits at key position kv_lengths[b] - query_lengths[b] + t (FlashAttention's
+  convention), so new tokens after a cached prefix see the prefix. The model's one call into
+  jaxflash.attention, so that the causal alignment is named in one place."""
   return jaxflash.attention(query, key, value, is_causal=is_causal, query_seq_lengths=query_lengths,
                             key_value_seq_lengths=kv_lengths, block_table=block_table,
                             implementation=impl, causal_alignment="bottom_right")
 
 
-def _split_kv_chunks(query, kv: LayerKV, lengths) -> jaxflash.SplitKV:
-  """query [B, 1, N, H] over kv's contiguous or paged cache: the decode kernels' chunks."""
-  if kv.block_table is None:
-    return jaxflash.decode_attention(query, kv.keys, kv.values, lengths, return_partials=True)
-  return jaxflash.paged_decode_attention(query, kv.keys, kv.values, lengths, kv.block_table,
-                                         return_partials=True)
-
-
 class Attention(nnx.Module):
-  """x [B, T, hidden] -> [B, T, hidden]: `num_heads` query heads share `num_kv_heads`
-  key/value heads (query head n reads KV head n // (num_heads // num_kv_heads))."""
+  """norm(x) [B, T, hidden] -> attention's output through o_proj [B, T, hidden]: `num_heads`
+  query heads share `num_kv_heads` key/value heads (query head n reads KV head
+  n // (num_heads // num_kv_heads))."""
 
   def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               rope_theta: float, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
-    self.rope_theta = rope_theta
     dense = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=dense_init, rngs=rngs)
     self.q_proj = nnx.Linear(hidden_size, num_heads * head_dim, use_bias=True, **dense)
     self.k_proj = nnx.Linear(hidden_size, num_kv_heads * head_dim, use_bias=True, **dense)
     self.v_proj = nnx.Linear(hidden_size, num_kv_heads * head_dim, use_bias=True, **dense)
     self.o_proj = nnx.Linear(num_heads * head_dim, hidden_size, use_bias=False, **dense)
 
-  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], lengths: jax.Array | None,
-               kv: LayerKV | None = None, *, norm=None, attention_impl: str | None = None,
-               projector: Projector = Projector()) -> tuple[jax.Array, LayerKV | None]:
-    """x [B, T, hidden], or norm(x) the input when `norm` (an RMSNorm) is given; rope =
-    (cos, sin) [B, T, head_dim/2]; lengths [B] valid new tokens per row (None: all T). With
-    `kv`, the new keys/values are written to it and the updated LayerKV is returned; with
-    T > 1 the cache must not hold earlier tokens of these sequences (prefill from scratch:
-    the prompt attends to itself only). `projector`: how the projections multiply
-    (models/qwen2/linear.py)."""
-    heads, kv = self.attend(x, rope, lengths, kv, norm=norm, attention_impl=attention_impl,
-                            projector=projector)
-    with jax.named_scope("output_projection"):
-      return projector(self.o_proj, heads, "row"), kv
-
-  def attend(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], lengths: jax.Array | None,
-             kv: LayerKV | None = None, *, norm=None, attention_impl: str | None = None,
-             projector: Projector = Projector(), split_kv: bool = False
-             ) -> tuple[jax.Array | jaxflash.SplitKV, LayerKV | None]:
-    """As `__call__`, but stops before the output projection: the heads' outputs
-    [B, T, num_heads * head_dim] in x's dtype (and the LayerKV). With `split_kv`, a decode
-    step on jaxflash's kernels with a cache of x's dtype returns the split-KV chunks unmerged
-    instead (a jaxflash.SplitKV, for jaxflash.project_split_kv)."""
+  def __call__(self, x: jax.Array, norm: RMSNorm, rope: tuple[jax.Array, jax.Array],
+               lengths: jax.Array | None, kv: LayerKV | None, *, plan: StepPlan,
+               workspace: DecodeWorkspace | None = None
+               ) -> tuple[PartialSums, LayerKV | None, DecodeWorkspace | None]:
+    """Attention of norm(x), x [B, T, hidden] (the norm is applied here: in a decode step it
+    folds into the q/k/v kernel); rope = (cos, sin) [B, T, head_dim/2]; lengths [B] valid
+    new tokens per row (None: all T). With `kv`, the new keys/values are written to it
+    first. Returns (o_proj(heads) as PartialSums [S, B, T, hidden], the updated LayerKV, the
+    workspace)."""
     batch, steps, _ = x.shape
-    layers = (self.q_proj, self.k_proj, self.v_proj)
     new_lengths = jnp.full((batch,), steps, jnp.int32) if lengths is None else lengths
     with jax.named_scope("qkv_projection"):
-      fused = None if norm is None else projector.qkv(norm, layers, x, rope, self.head_dim, kv, new_lengths)
-      if fused is None:
-        q, k, v = projector.many(layers, x if norm is None else norm(x), "column")
+      if plan.fused_qkv:
+        q, k, v, kv, workspace = self._fused_qkv(x, norm, rope, kv, new_lengths, plan, workspace)
       else:
-        q, k, v, kv = fused  # k, v None: the kernel wrote them into kv's cache
+        q, k, v = project((self.q_proj, self.k_proj, self.v_proj), norm(x), plan, "column")
       q = q.reshape(batch, steps, self.num_heads, self.head_dim)
       if k is not None:
         k = k.reshape(batch, steps, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, steps, self.num_kv_heads, self.head_dim)
-    if fused is None:
+    if not plan.fused_qkv:
       with jax.named_scope("rope"):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-
     if kv is not None and k is not None:
       with jax.named_scope("kv_cache_write"):
-        kv = kv.write(k, v, new_lengths)
-
+        kv = kv.write(k, v, new_lengths, kernel=plan.cache_write == "kernel")
     with jax.named_scope("attention"):
-      if kv is None or steps > 1:
-        out = dot_product_attention(q, k, v, impl=attention_impl, is_causal=True,
-                                    query_lengths=lengths, kv_lengths=lengths)
-      else:
-        # One new token: it sees every cached key (a bottom-right diagonal at S_b),
-        # so the decode kernels need no causal mask, only the lengths.
-        if split_kv and attention_impl is None and kv.keys.dtype == x.dtype:
-          return _split_kv_chunks(q.astype(kv.keys.dtype), kv, kv.lengths + new_lengths), kv
-        out = dot_product_attention(q.astype(kv.keys.dtype), kv.keys, kv.values,
-                                    impl=attention_impl, kv_lengths=kv.lengths + new_lengths,
-                                    block_table=kv.block_table)
-    return out.reshape(batch, steps, self.num_heads * self.head_dim).astype(x.dtype), kv
+      heads = self.attend(q, k, v, kv, lengths, new_lengths, plan)
+    with jax.named_scope("output_projection"):
+      return self._output_projection(heads, x.dtype, plan), kv, workspace
+
+  def attend(self, q, k, v, kv: LayerKV | None, lengths, new_lengths, plan: StepPlan):
+    """q [B, T, N, H] over k, v [B, T, K, H] (no cache) or over kv's cache, which already
+    holds the new tokens -> heads [B, T, N * H], or a decode step's unmerged split-KV chunks
+    (jaxflash.SplitKV) with `plan.split_kv`."""
+    batch, steps = q.shape[:2]
+    impl = plan.attention_impl
+    if kv is None:
+      out = dot_product_attention(q, k, v, impl=impl, is_causal=True, query_lengths=lengths,
+                                  kv_lengths=lengths)
+      return out.reshape(batch, steps, -1)
+    q = q.astype(kv.keys.dtype)
+    total = kv.lengths + new_lengths  # [B] tokens in the cache, the new ones included
+    if steps == 1:
+      # One new token sees every cached key, so the decode kernels need only the lengths.
+      if plan.split_kv:
+        if kv.paged:
+          return jaxflash.paged_decode_attention(q, kv.keys, kv.values, total, kv.block_table,
+                                                 return_partials=True)
+        return jaxflash.decode_attention(q, kv.keys, kv.values, total, return_partials=True)
+      out = dot_product_attention(q, kv.keys, kv.values, impl=impl, is_causal=False,
+                                  kv_lengths=total, block_table=kv.block_table)
+      return out.reshape(batch, steps, -1)
+    keys, values = kv.keys, kv.values
+    if kv.paged:
+      # PAGED PREFILL: jaxflash has no paged prefill kernel yet, so a prompt chunk over a paged
+      # cache reads its rows' pages gathered into contiguous [B, capacity, K, H] copies. A
+      # paged prefill kernel replaces these two lines (block_table passed through instead).
+      keys = jaxflash.gather_pages(keys, kv.block_table)
+      values = jaxflash.gather_pages(values, kv.block_table)
+    out = dot_product_attention(q, keys, values, impl=impl, is_causal=True,
+                                query_lengths=new_lengths, kv_lengths=total)
+    return out.reshape(batch, steps, -1)
+
+  def _fused_qkv(self, x, norm: RMSNorm, rope, kv: LayerKV | None, new_lengths, plan: StepPlan,
+                 workspace: DecodeWorkspace | None):
+    """(q, k, v, kv, workspace) of norm(x) from jaxflash.qkv_projection: RMSNorm, products,
+    biases and RoPE in one kernel (two for head dims it cannot finish in one). With
+    `plan.cache_write == "qkv"` it also writes k and v into kv's cache at kv.lengths (rows
+    with new_lengths 0 write nothing): k and v come back None and kv updated."""
+    layers = (self.q_proj, self.k_proj, self.v_proj)
+    dtype = compute_dtype(self.q_proj, x)
+    biases = tuple(layer.bias[...].astype(dtype) for layer in layers)
+    args = (x.astype(dtype), norm.scale[...], tuple(layer.kernel[...].astype(dtype) for layer in layers),
+            biases, *rope)
+    if plan.cache_write != "qkv":
+      q, k, v = jaxflash.qkv_projection(*args, head_dim=self.head_dim, eps=norm.eps)
+      return q, k, v, kv, workspace
+    counters = workspace.qkv_counters if plan.qkv_counters else None
+    q, keys, values, *rest = jaxflash.qkv_projection(
+        *args, head_dim=self.head_dim, eps=norm.eps, kv_cache=(kv.keys, kv.values),
+        positions=kv.token_positions(new_lengths), block_table=kv.block_table, counters=counters)
+    if rest:  # the counters, zero again
+      workspace = DecodeWorkspace(rest[0])
+    return q, None, None, dataclasses.replace(kv, keys=keys, values=values), workspace
+
+  def _output_projection(self, heads, dtype, plan: StepPlan) -> PartialSums:
+    """o_proj(heads) as partial sums for the residual add: the skinny kernel's K chunks, or
+    with a jaxflash.SplitKV, jaxflash.project_split_kv's per-head products (it merges the
+    chunks as it multiplies); otherwise the product itself."""
+    if isinstance(heads, jaxflash.SplitKV):
+      weight = self.o_proj.kernel[...].astype(dtype)
+      return PartialSums(jaxflash.project_split_kv(heads, weight, return_partials=True), dtype)
+    if plan.residual_norm:
+      return skinny_partials(self.o_proj, heads.astype(dtype))
+    return PartialSums.of(project((self.o_proj,), heads.astype(dtype), plan, "row")[0])

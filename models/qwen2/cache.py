@@ -3,7 +3,8 @@
 Two layouts, one interface. `ContiguousCache` keeps one [B, S, K, H] buffer per layer for
 keys and one for values (S = capacity). `PagedCache` keeps one page pool [P, page, K, H] per
 layer and a block table [B, max_pages] int32 that maps a sequence's i-th page of tokens to a
-pool page (the article's "paged decode"; vLLM's PagedAttention). `lengths` [B] int32 counts
+pool page (PagedAttention, "Efficient Memory Management for Large Language Model Serving
+with PagedAttention"). `lengths` [B] int32 counts
 the tokens already in the cache of each sequence, so the next token of sequence b lands at
 position lengths[b].
 
@@ -21,13 +22,6 @@ import jax.numpy as jnp
 import jaxflash
 from models.qwen2.config import Qwen2Config
 
-# Slots of the zeroed int32 counters a cache carries for jaxflash.qkv_projection's one-launch
-# kernel (one per column block of the q/k/v product: 36 for Qwen2.5-7B's). The kernel leaves
-# them zeroed, so the decode loop passes the same donated buffer from layer to layer and step
-# to step instead of zeroing a fresh one per layer (a memset node each in the step's graph).
-COUNTER_SLOTS = 256
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerKV:
@@ -38,11 +32,6 @@ class LayerKV:
   values: jax.Array
   lengths: jax.Array
   block_table: jax.Array | None = None
-  counters: jax.Array | None = None  # [COUNTER_SLOTS] int32 zeros for the fused q/k/v kernel
-  # One new token per sequence (a decode step) is written by a kernel: jaxflash.qkv_projection
-  # on the fused q/k/v path (models/qwen2/linear.py), else
-  # jaxflash.kv_cache_write; prompts, and everything with False, by XLA's scatter.
-  write_kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def paged(self) -> bool:
@@ -53,10 +42,14 @@ class LayerKV:
     writes nothing there) for rows with no new token (new_lengths[b] == 0)."""
     return jnp.where(new_lengths > 0, self.lengths, -1)
 
-  def write(self, k_new: jax.Array, v_new: jax.Array, new_lengths: jax.Array) -> LayerKV:
+  def write(self, k_new: jax.Array, v_new: jax.Array, new_lengths: jax.Array, *,
+            kernel: bool = False) -> LayerKV:
     """Stores k_new, v_new [B, T, K, H] at positions lengths[b] + t for t < new_lengths[b];
-    tokens past new_lengths[b] (padding, finished sequences) are dropped."""
-    if self.write_kernel and k_new.shape[1] == 1:
+    tokens past new_lengths[b] (padding, finished sequences) are dropped. `kernel` (T == 1,
+    one device): jaxflash.kv_cache_write, in place, where XLA's scatter takes four kernels."""
+    if kernel:
+      if k_new.shape[1] != 1:
+        raise ValueError(f"the cache-write kernel takes one token a row, got k_new {tuple(k_new.shape)}")
       keys, values = jaxflash.kv_cache_write(self.keys, self.values, k_new[:, 0], v_new[:, 0],
                                              self.token_positions(new_lengths),
                                              block_table=self.block_table)
@@ -86,7 +79,6 @@ class ContiguousCache:
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
   lengths: jax.Array
-  counters: jax.Array | None = None  # [COUNTER_SLOTS] int32 zeros (see COUNTER_SLOTS)
 
   @classmethod
   def create(cls, config: Qwen2Config, batch: int, capacity: int, dtype, *,
@@ -99,21 +91,24 @@ class ContiguousCache:
     row_device = None if sharding is None else sharding.per_sequence(1, batch)
     return cls(keys=tuple(jnp.zeros(shape, dtype, device=kv_device) for _ in layers),
                values=tuple(jnp.zeros(shape, dtype, device=kv_device) for _ in layers),
-               lengths=jnp.zeros((batch,), jnp.int32, device=row_device),
-               counters=_counters(sharding))
+               lengths=jnp.zeros((batch,), jnp.int32, device=row_device))
 
   @property
   def capacity(self) -> int:
     return self.keys[0].shape[1]
 
-  def layer(self, index: int, *, write_kernel: bool = False, counters: jax.Array | None = None) -> LayerKV:
-    """Layer `index`'s view; `counters`: the ones the previous layer handed on (default: the cache's)."""
-    return LayerKV(self.keys[index], self.values[index], self.lengths,
-                   counters=self.counters if counters is None else counters, write_kernel=write_kernel)
+  @property
+  def dtype(self):
+    return self.keys[0].dtype
+
+  def layer(self, index: int) -> LayerKV:
+    """Layer `index`'s view."""
+    return LayerKV(self.keys[index], self.values[index], self.lengths)
 
   def update(self, layers: list[LayerKV], new_lengths: jax.Array) -> ContiguousCache:
+    """The cache with each layer's written keys/values and new_lengths [B] more tokens a row."""
     return ContiguousCache(keys=tuple(l.keys for l in layers), values=tuple(l.values for l in layers),
-                           lengths=self.lengths + new_lengths, counters=layers[-1].counters)
+                           lengths=self.lengths + new_lengths)
 
 
 @jax.tree_util.register_dataclass
@@ -125,7 +120,6 @@ class PagedCache:
   value_pages: tuple[jax.Array, ...]
   block_table: jax.Array
   lengths: jax.Array
-  counters: jax.Array | None = None  # [COUNTER_SLOTS] int32 zeros (see COUNTER_SLOTS)
 
   @classmethod
   def create(cls, config: Qwen2Config, batch: int, capacity: int, dtype, *, page_size: int = 16,
@@ -143,8 +137,7 @@ class PagedCache:
     return cls(key_pages=tuple(jnp.zeros(shape, dtype, device=pool_device) for _ in layers),
                value_pages=tuple(jnp.zeros(shape, dtype, device=pool_device) for _ in layers),
                block_table=jnp.zeros((batch, max_pages), jnp.int32, device=table_device),
-               lengths=jnp.zeros((batch,), jnp.int32, device=row_device),
-               counters=_counters(sharding))
+               lengths=jnp.zeros((batch,), jnp.int32, device=row_device))
 
   @property
   def page_size(self) -> int:
@@ -158,21 +151,19 @@ class PagedCache:
   def capacity(self) -> int:
     return self.block_table.shape[1] * self.page_size
 
-  def layer(self, index: int, *, write_kernel: bool = False, counters: jax.Array | None = None) -> LayerKV:
-    """Layer `index`'s view; `counters`: the ones the previous layer handed on (default: the cache's)."""
-    return LayerKV(self.key_pages[index], self.value_pages[index], self.lengths, self.block_table,
-                   counters=self.counters if counters is None else counters, write_kernel=write_kernel)
+  @property
+  def dtype(self):
+    return self.key_pages[0].dtype
+
+  def layer(self, index: int) -> LayerKV:
+    """Layer `index`'s view."""
+    return LayerKV(self.key_pages[index], self.value_pages[index], self.lengths, self.block_table)
 
   def update(self, layers: list[LayerKV], new_lengths: jax.Array) -> PagedCache:
+    """The cache with each layer's written pages and new_lengths [B] more tokens a row."""
     return PagedCache(key_pages=tuple(l.keys for l in layers),
                       value_pages=tuple(l.values for l in layers),
-                      block_table=self.block_table, lengths=self.lengths + new_lengths,
-                      counters=layers[-1].counters)
-
-
-def _counters(sharding) -> jax.Array:
-  """COUNTER_SLOTS zeros, replicated on a split model's devices."""
-  return jnp.zeros((COUNTER_SLOTS,), jnp.int32, device=None if sharding is None else sharding.named())
+                      block_table=self.block_table, lengths=self.lengths + new_lengths)
 
 
 KVCache = ContiguousCache | PagedCache

@@ -7,11 +7,6 @@ import json
 import os
 from typing import Any
 
-# Values `attention_impl` may take: None (the jaxflash kernels), "xla" (jaxflash's plain-JAX
-# path) or "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`, for benchmarks).
-ATTENTION_IMPLS = (None, "xla", "cudnn")
-
-
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
   """Shapes and constants of a Qwen2 decoder; field names follow `config.json`."""
@@ -29,18 +24,26 @@ class Qwen2Config:
   tie_word_embeddings: bool = False
   eos_token_id: int | tuple[int, ...] | None = None
   torch_dtype: str | None = None  # the checkpoint's dtype, e.g. "bfloat16"
-  attention_impl: str | None = None
+  # Qwen2's sliding-window attention, as config.json names it: layers from max_window_layers
+  # on attend to the last `sliding_window` tokens when use_sliding_window (both None
+  # otherwise). Parsed, not yet run: from_hf_dict refuses use_sliding_window=true.
+  use_sliding_window: bool = False
+  sliding_window: int | None = None
+  max_window_layers: int | None = None
 
   def __post_init__(self):
-    if self.head_dim is None:
+    if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                        f"num_key_value_heads ({self.num_key_value_heads})")
-    if self.attention_impl not in ATTENTION_IMPLS:
-      raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
 
   def replace(self, **changes) -> Qwen2Config:
     return dataclasses.replace(self, **changes)
@@ -69,6 +72,7 @@ class Qwen2Config:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
       raise NotImplementedError(f"RoPE scaling {rope!r} is not supported")
+    windowed = bool(hf.get("use_sliding_window", False))
     fields = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -83,6 +87,10 @@ class Qwen2Config:
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         eos_token_id=hf.get("eos_token_id"),
         torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
+        # As transformers does, the window is kept only where it is used.
+        use_sliding_window=windowed,
+        sliding_window=hf.get("sliding_window") if windowed else None,
+        max_window_layers=hf.get("max_window_layers") if windowed else None,
     )
     fields.update(overrides)
     return cls(**fields)
@@ -90,7 +98,7 @@ class Qwen2Config:
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, **overrides) -> Qwen2Config:
     """Reads `path/config.json` (or `path` itself when it is the json file)."""
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if os.path.isdir(path):
       path = os.path.join(path, "config.json")
     with open(path) as f:

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.qwen2.initializers import dense_init
-from models.qwen2.linear import Projector
+from models.qwen2.linear import project
+from models.qwen2.plan import StepPlan
 
 
 class MLP(nnx.Module):
@@ -19,9 +20,8 @@ class MLP(nnx.Module):
     self.up_proj = nnx.Linear(hidden_size, intermediate_size, **dense)
     self.down_proj = nnx.Linear(intermediate_size, hidden_size, **dense)
 
-  def __call__(self, x: jax.Array, *, projector: Projector = Projector()) -> jax.Array:
-    """`projector`: how the projections multiply (models/qwen2/linear.py)."""
+  def __call__(self, x: jax.Array, *, plan: StepPlan = StepPlan()) -> jax.Array:
     with jax.named_scope("mlp"):
-      gate, up = projector.many((self.gate_proj, self.up_proj), x, "column")  # one launch when skinny
+      gate, up = project((self.gate_proj, self.up_proj), x, plan, "column")  # one launch when skinny
       hidden = jax.nn.silu(gate) * up
-      return projector(self.down_proj, hidden, "row")
+      return project((self.down_proj,), hidden, plan, "row")[0]

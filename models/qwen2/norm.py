@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import jaxflash
+
 
 class RMSNorm(nnx.Module):
   """x [..., features] -> x / rms(x) * scale, the statistics in float32."""
@@ -22,3 +24,13 @@ class RMSNorm(nnx.Module):
     # HF casts the normalised activations back to the input dtype before the scale.
     normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
     return normed * self.scale[...].astype(self.dtype)
+
+
+def add_and_norm(x: jax.Array, update, norm: RMSNorm, *, fused: bool) -> tuple[jax.Array, jax.Array]:
+  """(h, norm(h)) with h = x + update, x [..., hidden]; update a models.qwen2.linear.PartialSums.
+  `fused` (a decode step on one device): jaxflash.add_rms_norm adds the update's partial sums
+  and the residual and normalises in one kernel, where XLA takes two after a reduction."""
+  if fused:
+    return jaxflash.add_rms_norm(x, update.terms, norm.scale[...], eps=norm.eps)
+  h = x + update.total()
+  return h, norm(h)

@@ -189,8 +189,8 @@ def _repeat_kv_heads(path: tuple, value: jax.Array, head_dim: int, repeats: int)
   return jnp.repeat(split, repeats, axis=-2).reshape(*value.shape[:-1], heads * repeats * head_dim)
 
 
-def place(make_arrays, args, config: Qwen2Config, tp: TensorParallel, *, dtype, param_dtype,
-          attention_impl=None) -> Qwen2ForCausalLM:
+def place(make_arrays, args, config: Qwen2Config, tp: TensorParallel, *, dtype,
+          param_dtype) -> Qwen2ForCausalLM:
   """The tensor-parallel model from `make_arrays(*args) -> {flat path: array}`, the
   parameters of an unsplit model with `config`. They are made (or moved) inside one jit
   whose outputs are split, so no device holds the whole model on the way."""
@@ -212,7 +212,6 @@ def place(make_arrays, args, config: Qwen2Config, tp: TensorParallel, *, dtype, 
   state = nnx.from_flat_state([(path, variable.replace(arrays[path]))
                                for path, variable in flat.items()])
   model = nnx.merge(graphdef, state)
-  model.attention_impl = attention_impl
   model.tensor_parallel = tp
   return model
 
@@ -238,5 +237,4 @@ def shard_model(model: Qwen2ForCausalLM, mesh: Mesh, *, model_axis: str = "model
       for path, variable in nnx.to_flat_state(state)))
   # The arrays enter the jit as arguments: closed over, they would be baked into the program.
   return place(lambda *arrays: dict(zip(paths, arrays)), values, model.config, tp,
-               dtype=model.dtype, param_dtype=model.embedder.embedding.dtype,
-               attention_impl=model.attention_impl)
+               dtype=model.dtype, param_dtype=model.embedder.embedding.dtype)

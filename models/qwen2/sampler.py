@@ -29,90 +29,102 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxflash
+from jaxflash._util import next_power_of_2
 from models.qwen2.allocator import PageAllocator
-from models.qwen2.cache import ContiguousCache, PagedCache
+from models.qwen2.cache import ContiguousCache, KVCache, PagedCache
 from models.qwen2.model import Qwen2ForCausalLM
+from models.qwen2.plan import DecodeWorkspace, StepPlan
 from models.qwen2.sampling import SamplingParams, sample_logits
 
 MIN_PROMPT_BUCKET = 16
 CAPACITY_MULTIPLE = 64
 STEPS_PER_CALL = 8  # decode steps per dispatch in the generate loop (Sampler)
 CACHE_KINDS = ("paged", "contiguous")
-ATTENTION_CHOICES = (None, "jaxflash", "pallas", "xla", "cudnn")
 
 
 def prompt_bucket(length: int) -> int:
   """The padded prompt length: the next power of two, at least MIN_PROMPT_BUCKET."""
-  return max(MIN_PROMPT_BUCKET, 1 << (max(length, 1) - 1).bit_length())
+  return max(MIN_PROMPT_BUCKET, next_power_of_2(length))
 
 
 def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
 
-def resolve_attention_impl(model: Qwen2ForCausalLM, impl):
-  """None -> the model's setting; "jaxflash" / "pallas" -> None (the kernels); "xla" and
-  "cudnn" as they are."""
-  if impl not in ATTENTION_CHOICES:
-    raise ValueError(f"attention_impl must be one of {ATTENTION_CHOICES}, got {impl!r}")
-  if impl is None:
-    return model.attention_impl
-  return None if impl in ("jaxflash", "pallas") else impl
+def check_attention_impl(impl) -> str | None:
+  """`impl` when it is one of jaxflash.IMPLEMENTATIONS, else a ValueError."""
+  if impl not in jaxflash.IMPLEMENTATIONS:
+    raise ValueError(f"attention_impl must be one of {jaxflash.IMPLEMENTATIONS}, got {impl!r}")
+  return impl
 
 
-def _prefill(model, tokens, lengths, cache, key, eos_ids, sampling: SamplingParams, attention_impl):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """What one decode step hands the next, all on the device (and all donated to it)."""
+
+  tokens: jax.Array  # [B] int32: each sequence's last sampled token, the next step's input
+  done: jax.Array  # [B] bool: finished sequences (EOS seen); they write and emit nothing more
+  cache: KVCache  # the KV cache, lengths [B] counting the tokens written
+  workspace: DecodeWorkspace  # the decode kernels' scratch (models/qwen2/plan.py)
+  key: jax.Array  # the PRNG key of the next draw
+
+
+def _prefill(model, tokens, lengths, cache, key, eos_ids, sampling: SamplingParams,
+             attention_impl) -> LoopState:
   """Runs the prompts and samples each one's first new token.
 
   tokens [B, T] int32 right-padded prompts; lengths [B] int32 their lengths; cache empty.
-  Returns (first tokens [B] int32, done [B] bool, cache holding the prompts, next key).
+  Returns the decode loop's first state.
   """
   with jax.named_scope("prefill"):
-    hidden, cache = model.hidden_states(tokens, None, cache, lengths=lengths,
-                                        attention_impl=attention_impl)
+    hidden, cache, _ = model.hidden_states(tokens, None, cache, lengths=lengths,
+                                           attention_impl=attention_impl)
   batch = tokens.shape[0]
   last = hidden[jnp.arange(batch), lengths - 1]  # [B, hidden]: the LM head sees one row each
   logits = model.logits(last)  # [B, vocab]
   with jax.named_scope("sample"):
     key, draw = jax.random.split(key)
     next_tokens = sample_logits(logits, draw, sampling)
-  return next_tokens, jnp.isin(next_tokens, eos_ids), cache, key
+  return LoopState(next_tokens, jnp.isin(next_tokens, eos_ids), cache, DecodeWorkspace.create(model.tensor_parallel), key)
 
 
-def _decode(model, tokens, done, cache, key, eos_ids, sampling: SamplingParams, attention_impl):
-  """One token per sequence: tokens [B] int32 (the last sampled), done [B] bool.
-
-  Writes the tokens' keys/values (not for done rows), samples the next tokens, and
-  returns (next tokens [B] int32, done [B] bool, cache, next key). The PRNG key rides
-  along on the device, so a step needs no new data from the host.
-  """
-  active = (~done).astype(jnp.int32)  # finished rows write nothing
+def _decode(model, state: LoopState, eos_ids, sampling: SamplingParams, attention_impl,
+            plan: StepPlan | None) -> LoopState:
+  """One token per sequence: writes the last tokens' keys/values (not for done rows) and
+  samples the next ones. The PRNG key rides along on the device, so a step needs no new
+  data from the host."""
+  active = (~state.done).astype(jnp.int32)  # finished rows write nothing
   with jax.named_scope("decode"):
-    hidden, cache = model.hidden_states(tokens[:, None], None, cache, lengths=active,
-                                        attention_impl=attention_impl)
+    hidden, cache, workspace = model.hidden_states(
+        state.tokens[:, None], None, state.cache, lengths=active, attention_impl=attention_impl,
+        plan=plan, workspace=state.workspace)
   logits = model.logits(hidden[:, 0])  # [B, vocab]
   with jax.named_scope("sample"):
-    key, draw = jax.random.split(key)
+    key, draw = jax.random.split(state.key)
     next_tokens = sample_logits(logits, draw, sampling)
-  next_tokens = jnp.where(done, 0, next_tokens)
-  return next_tokens, done | jnp.isin(next_tokens, eos_ids), cache, key
+  next_tokens = jnp.where(state.done, 0, next_tokens)
+  return LoopState(next_tokens, state.done | jnp.isin(next_tokens, eos_ids), cache, workspace, key)
 
 
-def _decode_steps(model, tokens, done, cache, key, history, steps, eos_ids,
-                  sampling: SamplingParams, attention_impl):
+def _decode_steps(model, state: LoopState, history, steps, eos_ids, sampling: SamplingParams,
+                  attention_impl, plan: StepPlan | None) -> tuple[LoopState, jax.Array]:
   """Up to K = history.shape[0] decode steps in one call: the first `steps` (an int32
-  scalar, at most K) run as `_decode`; the rest leave tokens, done, cache and key as
-  they are. history [K, B] int32 receives each step's tokens (rows past `steps`: 0).
-  Returns (tokens, done, cache, key, history)."""
+  scalar, at most K) run as `_decode`; the rest leave the state as it is. history [K, B]
+  int32 receives each step's tokens (rows past `steps`: 0). Returns (state, history)."""
 
   def one_step(j, carry):
-    tokens, done, cache, key, history = carry
+    state, history = carry
     live = j < steps
-    next_tokens, next_done, cache, next_key = _decode(model, tokens, done | ~live, cache, key,
-                                                      eos_ids, sampling, attention_impl)
-    return (jnp.where(live, next_tokens, tokens), jnp.where(live, next_done, done), cache,
-            jnp.where(live, next_key, key), history.at[j].set(next_tokens))
+    stepped = _decode(model, dataclasses.replace(state, done=state.done | ~live), eos_ids,
+                      sampling, attention_impl, plan)
+    state = LoopState(jnp.where(live, stepped.tokens, state.tokens),
+                      jnp.where(live, stepped.done, state.done), stepped.cache, stepped.workspace,
+                      jnp.where(live, stepped.key, state.key))
+    return state, history.at[j].set(stepped.tokens)
 
-  return jax.lax.fori_loop(0, history.shape[0], one_step, (tokens, done, cache, key, history))
+  return jax.lax.fori_loop(0, history.shape[0], one_step, (state, history))
 
 
 @jax.jit
@@ -125,9 +137,14 @@ def snapshot(x: jax.Array) -> jax.Array:
 class StepFunctions(NamedTuple):
   """The jitted prefill, decode step and multi-step decode of one model structure. All
   take the weights as a flat list of arrays first and have static keyword arguments
-  `sampling` and `attention_impl`; prefill donates the cache, decode and decode_steps
-  every array they return (tokens, done, cache, key, and history): read tokens through
-  `snapshot` before the next call."""
+  `sampling` and `attention_impl` (decode and decode_steps also `plan`: None for the
+  default StepPlan). prefill donates the cache; decode and decode_steps the LoopState (and
+  the history) they return: read tokens through `snapshot` before the next call.
+
+    prefill(params, tokens [B, T], lengths [B], cache, key, eos_ids) -> LoopState
+    decode(params, state, eos_ids) -> LoopState
+    decode_steps(params, state, history [K, B], steps, eos_ids) -> (LoopState, history)
+  """
 
   prefill: Callable
   decode: Callable
@@ -144,25 +161,24 @@ def step_functions(graphdef, treedef) -> StepFunctions:
   def merge(params):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
 
-  jit = functools.partial(jax.jit, static_argnames=("sampling", "attention_impl"))
-
-  @functools.partial(jit, donate_argnames=("cache",))
+  @functools.partial(jax.jit, static_argnames=("sampling", "attention_impl"),
+                     donate_argnames=("cache",))
   def prefill(params, tokens, lengths, cache, key, eos_ids, *, sampling, attention_impl):
     return _prefill(merge(params), tokens, lengths, cache, key, eos_ids, sampling, attention_impl)
+
+  jit = functools.partial(jax.jit, static_argnames=("sampling", "attention_impl", "plan"))
 
   # Everything a step returns is donated back to the next step, so every buffer of the step
   # keeps its address and XLA relaunches its recorded CUDA graph as it is; one fresh output
   # (the new tokens, the done flags or the key) makes it update the graph's ~600 kernel
   # nodes on the host, which cost ~2 ms a step on the H200, more than the step's GPU time.
-  @functools.partial(jit, donate_argnames=("tokens", "done", "cache", "key"))
-  def decode(params, tokens, done, cache, key, eos_ids, *, sampling, attention_impl):
-    return _decode(merge(params), tokens, done, cache, key, eos_ids, sampling, attention_impl)
+  @functools.partial(jit, donate_argnames=("state",))
+  def decode(params, state, eos_ids, *, sampling, attention_impl, plan=None):
+    return _decode(merge(params), state, eos_ids, sampling, attention_impl, plan)
 
-  @functools.partial(jit, donate_argnames=("tokens", "done", "cache", "key", "history"))
-  def decode_steps(params, tokens, done, cache, key, history, steps, eos_ids, *, sampling,
-                   attention_impl):
-    return _decode_steps(merge(params), tokens, done, cache, key, history, steps, eos_ids,
-                         sampling, attention_impl)
+  @functools.partial(jit, donate_argnames=("state", "history"))
+  def decode_steps(params, state, history, steps, eos_ids, *, sampling, attention_impl, plan=None):
+    return _decode_steps(merge(params), state, history, steps, eos_ids, sampling, attention_impl, plan)
 
   return StepFunctions(prefill, decode, decode_steps)
 
@@ -190,17 +206,22 @@ class Sampler:
 
   cache: "paged" (page pools + block tables, pages handed out as sequences grow and
   returned when they finish) or "contiguous" ([B, S, K, H] per layer). attention_impl:
-  None (the model's own setting), "jaxflash" (the kernels), "xla" or "cudnn".
-  steps_per_call: decode steps per dispatch (tokens reach `stream` in groups of this many).
+  `jaxflash.attention`'s implementation, one of jaxflash.IMPLEMENTATIONS (None: the best
+  kernel). steps_per_call: decode steps per dispatch (tokens reach `stream` in groups of
+  this many). plan: the StepPlan of the decode steps (None: `StepPlan.build` for the batch;
+  benchmarks pass another one for A/B runs).
   """
 
   def __init__(self, model: Qwen2ForCausalLM, *, cache: str = "paged", page_size: int = 16,
                num_pages: int | None = None, attention_impl: str | None = None,
-               steps_per_call: int = STEPS_PER_CALL):
+               steps_per_call: int = STEPS_PER_CALL, plan: StepPlan | None = None):
     if cache not in CACHE_KINDS:
       raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     if not isinstance(steps_per_call, int) or steps_per_call < 1:
       raise ValueError(f"steps_per_call must be a positive int, got {steps_per_call!r}")
+    if plan is not None and plan.attention_impl != attention_impl:
+      raise ValueError(f"plan.attention_impl ({plan.attention_impl!r}) differs from attention_impl "
+                       f"({attention_impl!r})")
     self.steps_per_call = steps_per_call
     self._step_counts: dict[int, jax.Array] = {}  # device scalars, one buffer per count
     self.config = model.config
@@ -211,7 +232,8 @@ class Sampler:
     self.cache_kind = cache
     self.page_size = page_size
     self.num_pages = num_pages
-    self.attention_impl = resolve_attention_impl(model, attention_impl)
+    self.attention_impl = check_attention_impl(attention_impl)
+    self.plan = plan
     self.tensor_parallel = model.tensor_parallel  # None unless split by shard_model
     self.allocator: PageAllocator | None = None  # the last call's (for inspection)
 
@@ -221,25 +243,27 @@ class Sampler:
     multiple = max(CAPACITY_MULTIPLE, self.page_size if self.cache_kind == "paged" else 1)
     return _round_up(prompt_bucket(longest_prompt) + max_new_tokens, multiple)
 
-  def prefill(self, tokens, lengths, cache, key, eos_ids, sampling: SamplingParams):
-    """The jitted prefill (see `_prefill`) with this sampler's weights and attention."""
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: KVCache, key: jax.Array,
+              eos_ids: jax.Array, sampling: SamplingParams) -> LoopState:
+    """The jitted prefill (see `_prefill`) with this sampler's weights and attention; the
+    cache is donated."""
     return self.steps.prefill(self.params, tokens, lengths, cache, key, eos_ids,
                               sampling=sampling, attention_impl=self.attention_impl)
 
-  def decode(self, tokens, done, cache, key, eos_ids, sampling: SamplingParams):
-    """One jitted decode step (see `_decode`); tokens, done, cache and key are donated."""
-    return self.steps.decode(self.params, tokens, done, cache, key, eos_ids,
-                             sampling=sampling, attention_impl=self.attention_impl)
+  def decode(self, state: LoopState, eos_ids: jax.Array, sampling: SamplingParams) -> LoopState:
+    """One jitted decode step (see `_decode`); the state is donated."""
+    return self.steps.decode(self.params, state, eos_ids, sampling=sampling,
+                             attention_impl=self.attention_impl, plan=self.plan)
 
-  def decode_steps(self, tokens, done, cache, key, history, steps: int, eos_ids,
-                   sampling: SamplingParams):
+  def decode_steps(self, state: LoopState, history: jax.Array, steps: int, eos_ids: jax.Array,
+                   sampling: SamplingParams) -> tuple[LoopState, jax.Array]:
     """`steps` (<= history.shape[0]) jitted decode steps in one call (see `_decode_steps`);
-    tokens, done, cache, key and history are donated."""
+    the state and history are donated."""
     if steps not in self._step_counts:  # the same buffer every call: the CUDA graph keeps it
       self._step_counts[steps] = jnp.asarray(steps, jnp.int32)
-    return self.steps.decode_steps(self.params, tokens, done, cache, key, history,
-                                   self._step_counts[steps], eos_ids, sampling=sampling,
-                                   attention_impl=self.attention_impl)
+    return self.steps.decode_steps(self.params, state, history, self._step_counts[steps], eos_ids,
+                                   sampling=sampling, attention_impl=self.attention_impl,
+                                   plan=self.plan)
 
   def make_cache(self, batch: int, capacity: int):
     """An empty cache; split over the model's mesh as its heads are, when it is sharded."""
@@ -265,8 +289,8 @@ class Sampler:
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+      raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     vocab = self.config.vocab_size
     if any(not 0 <= t < vocab for p in prompts for t in p):
       raise ValueError(f"prompt token ids must lie in [0, {vocab})")
@@ -281,6 +305,8 @@ class Sampler:
       eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
     eos_set = set(eos)
     eos_ids = jnp.asarray(eos or (-1,), jnp.int32)
+    if max_new_tokens == 0:
+      return GenerationOutput([[] for _ in prompts], 0.0, 0.0, 0)
 
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -330,9 +356,9 @@ class Sampler:
         consume(step_tokens)
 
     start = time.perf_counter()
-    next_tokens, done, cache, key = self.prefill(self.to_device(tokens), self.to_device(lengths),
-                                                 cache, key, eos_ids, sampling)
-    consume(np.asarray(next_tokens))
+    state = self.prefill(self.to_device(tokens), self.to_device(lengths), cache, key, eos_ids,
+                         sampling)
+    consume(np.asarray(state.tokens))
     prefill_seconds = time.perf_counter() - start
 
     # Every call has the same shape (one compilation); the last may run fewer live steps.
@@ -347,10 +373,10 @@ class Sampler:
         for row in np.flatnonzero(~finished):
           allocator.reserve(row, int(positions[row]) + count)
         if allocator.changed:
-          cache = dataclasses.replace(cache, block_table=self.to_device(allocator.block_table))
+          table = self.to_device(allocator.block_table)
+          state = dataclasses.replace(state, cache=dataclasses.replace(state.cache, block_table=table))
           allocator.changed = False
-      next_tokens, done, cache, key, history = self.decode_steps(
-          next_tokens, done, cache, key, history, count, eos_ids, sampling)
+      state, history = self.decode_steps(state, history, count, eos_ids, sampling)
       readable = snapshot(history)  # the next call donates history: read a copy
       positions += count
       steps += count
@@ -378,10 +404,13 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_
   its output; eos_token_id None means the config's EOS ids (pass () to never stop early).
   cache: "paged" (page_size tokens a page; num_pages default: enough for every sequence)
   or "contiguous". stream(step_tokens) is called as tokens arrive with one entry per
-  prompt (None once that prompt has finished); returning True stops generation.
-  attention_impl: None (the model's setting, by default the kernels), "jaxflash", "xla"
-  or "cudnn". steps_per_call: decode steps the device runs per dispatch (the last call
-  may compute a few steps whose results are dropped).
+  prompt (None once that prompt has finished); returning True stops generation at once: no
+  later token is emitted or returned, and no further decode call is dispatched (the one
+  already running on the device, at most `steps_per_call` steps, finishes and its tokens
+  are dropped). attention_impl: one of jaxflash.IMPLEMENTATIONS (None: the best kernel;
+  "xla": jaxflash's plain-JAX path). steps_per_call: decode steps the device runs per
+  dispatch (the last call may compute a few steps whose results are dropped).
+  max_new_tokens 0 returns empty lists.
   """
   sampler = Sampler(model, cache=cache, page_size=page_size, num_pages=num_pages,
                     attention_impl=attention_impl, steps_per_call=steps_per_call)

@@ -102,7 +102,7 @@ def resolve_dtype(dtype, default=None):
 
 def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
   """Tensor name -> safetensors file, from the index of a sharded checkpoint or the single file."""
-  path = os.fspath(path)
+  path = os.path.expanduser(os.fspath(path))
   index = os.path.join(path, INDEX_FILE)
   if os.path.exists(index):
     with open(index) as f:
@@ -183,15 +183,19 @@ def load_weights(model: Qwen2ForCausalLM, files: dict[str, str], *, progress: bo
   return nnx.merge(graphdef, new_state)
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None,
-                    attention_impl: str | None = None, progress: bool = False, mesh=None,
-                    model_axis: str = "model", data_axis: str | None = None,
+def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None, progress: bool = False,
+                    mesh=None, model_axis: str = "model", data_axis: str | None = None,
                     **config_overrides) -> Qwen2ForCausalLM:
   """Loads a local Hugging Face Qwen2 / Qwen2.5 checkpoint directory (config.json and
-  safetensors). `param_dtype` defaults to the checkpoint's dtype, `dtype` (computation)
-  to `param_dtype`; both accept names ("bfloat16", "float32") or dtypes. With `mesh`, the
-  loaded model is then split tensor-parallel (`models.qwen2.shard_model`)."""
-  config = Qwen2Config.from_pretrained(path, attention_impl=attention_impl, **config_overrides)
+  safetensors; `~` is expanded). `param_dtype` defaults to the checkpoint's dtype, `dtype`
+  (computation) to `param_dtype`; both accept names ("bfloat16", "float32") or dtypes. With
+  `mesh`, the loaded model is then split tensor-parallel (`models.qwen2.shard_model`).
+  Raises FileNotFoundError for a folder that does not exist or holds no config.json or no
+  safetensors weights."""
+  path = os.path.expanduser(os.fspath(path))
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
+  config = Qwen2Config.from_pretrained(path, **config_overrides)
   checkpoint_dtype = config.torch_dtype or "float32"
   param_dtype = resolve_dtype(param_dtype, dtype if dtype is not None else checkpoint_dtype)
   dtype = resolve_dtype(dtype, param_dtype)
@@ -221,7 +225,7 @@ def random_model(config: Qwen2Config, seed: int = 0, dtype="float32", *, param_d
     def arrays():
       return {path: v[...] for path, v in nnx.to_flat_state(nnx.split(create())[1])}
     return place(arrays, (), config, TensorParallel(mesh, model_axis, data_axis), dtype=dtype,
-                 param_dtype=param_dtype, attention_impl=config.attention_impl)
+                 param_dtype=param_dtype)
   graphdef, _ = nnx.split(nnx.eval_shape(create))
   # Drawn inside jit: on a GPU the weights are made there, never on the host.
   state = jax.jit(lambda: nnx.split(create())[1])()

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxflash import _checks, configs
 from jaxflash._triton import load, mask2d, pl, quiet, store, use_interpret
+from jaxflash._util import next_power_of_2
 from jaxflash.paged import paged_kv_write
 
 
@@ -34,7 +35,7 @@ def _write_kernel(positions_ref, *refs, paged: bool, capacity: int, page_size: i
   b = pl.program_id(0)
   row, valid = cache_rows(positions_ref, table_ref if paged else None, b, capacity=capacity,
                           page_size=page_size)
-  heads_p, dim_p = pl.next_power_of_2(kv_heads), configs.padded_head_dim(head_dim)
+  heads_p, dim_p = next_power_of_2(kv_heads), configs.padded_head_dim(head_dim)
   heads, dims = pl.ds(0, heads_p), pl.ds(0, dim_p)
   in_range = mask2d(jnp.arange(heads_p) < kv_heads, jnp.arange(dim_p) < head_dim, (heads_p, dim_p))
   for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
@@ -88,8 +89,9 @@ def cache_rows(positions_ref, table_ref, batch_rows, *, capacity: int, page_size
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def kv_cache_write(keys, values, k_new, v_new, positions, *, block_table=None,
-                   interpret: bool | None = None):
+def kv_cache_write(keys: jax.Array, values: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                   positions: jax.Array, *, block_table: jax.Array | None = None,
+                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """Stores one token per sequence: k_new, v_new [B, K, H] at token position positions[b].
 
   keys/values: contiguous caches [B, S, K, H], or page pools [P, page, K, H] with

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 from jaxflash import _checks, configs
 from jaxflash._triton import LN_2, CompilerParams, load, load_masked, mask2d, pl, quiet, store, use_interpret
+from jaxflash._util import NEG_INF, next_power_of_2
 from jaxflash.decode import SplitKV, chunk_shares, decode_combine_reference, merge_chunks
 
-NEG_INF = float("-inf")
 BLOCK_N = 64  # output columns per program (64 x 4 warps: 3.9 us at the 1.5B o_proj, 128: 4.3)
 NUM_WARPS = 4
 # Sequences per program, each weight tile read once for all of them (one program per
@@ -42,7 +42,7 @@ def _merge_project_kernel(out_ref, lse2_ref, w_ref, o_ref, *, batch: int, rows: 
   o_ref [N, B, D] f32 per-head products.
   """
   j, n, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  splits_p = max(2, pl.next_power_of_2(splits))
+  splits_p = max(2, next_power_of_2(splits))
   head_dim_p = configs.padded_head_dim(head_dim)
   split_ok = jnp.arange(splits_p) < splits
   dim_ok = None if head_dim_p == head_dim else jnp.arange(head_dim_p) < head_dim
@@ -84,8 +84,8 @@ def _check(split: SplitKV, w):
 
 
 @functools.partial(jax.jit, static_argnames=("merged_dtype", "return_partials", "interpret"))
-def project_split_kv(split: SplitKV, w, *, merged_dtype=None, return_partials: bool = False,
-                     interpret: bool | None = None):
+def project_split_kv(split: SplitKV, w: jax.Array, *, merged_dtype=None, return_partials: bool = False,
+                     interpret: bool | None = None) -> jax.Array:
   """merge(split) @ w: the decode attention's output [B, 1, N * H] times w [N * H, D].
 
   split: `decode_attention(..., return_partials=True)` or its paged twin. Each head is merged

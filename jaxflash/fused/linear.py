@@ -14,7 +14,7 @@ weights that multiply the same x (q, k and v) share one launch: their column blo
 laid side by side in the grid, and each program reads the weight its block belongs to.
 Given an RMSNorm's scale, the kernel multiplies x * scale instead and also sums x^2 over its
 K chunk, so that a following kernel can finish the norm (`skinny_matmul_partials`, used by
-jaxflash/qkv.py).
+jaxflash/fused/qkv.py).
 
 On the H200 at the 1.5B model's shapes, batch 1, in the model's step (bench/NOTES.md): gate and
 up side by side (1536 x 17920) with 64-column blocks, no K chunks, 15.4 us against XLA's GEMM's
@@ -25,9 +25,9 @@ that adds them as it reads them (`jaxflash.add_rms_norm`).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,20 +35,8 @@ from jax import lax
 
 from jaxflash import device as device_lib
 from jaxflash._triton import CompilerParams, dot, load_masked, mask2d, pl, quiet, store, use_interpret
-
-MAX_ROWS = 16  # tl.dot's minimum M: x's rows are padded to it, so 16 rows cost what 1 does
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearConfig:
-  """Tiles of the skinny matmul: `block_n` output columns per program, `block_k` rows of
-  w per pipeline step; `num_splits` K chunks (None: enough programs to fill the GPU)."""
-
-  block_n: int = 128
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 4
-  num_splits: int | None = None
+from jaxflash._util import dot_precision
+from jaxflash.fused.configs import MAX_ROWS, LinearConfig
 
 
 def column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: int, block_n: int,
@@ -59,7 +47,7 @@ def column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: i
 
   With `scale_ref` [K] (an RMSNorm's weight) the product is (x * scale) @ w and the
   chunk's sum of x^2 per row goes to `sum_sq_ref` [splits, M] (when given), the two
-  halves of an RMSNorm that the caller finishes (jaxflash/qkv.py).
+  halves of an RMSNorm that the caller finishes (jaxflash/fused/qkv.py).
   """
   row_ok = jnp.arange(MAX_ROWS) < rows
   cols = j * block_n + jnp.arange(block_n)
@@ -172,8 +160,9 @@ def _check_inputs(x, weights: tuple):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_partials", "interpret"))
-def skinny_matmul(x, w, *, config: LinearConfig | None = None, return_partials: bool = False,
-                  interpret: bool | None = None):
+def skinny_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], *, config: LinearConfig | None = None,
+                  return_partials: bool = False, interpret: bool | None = None
+                  ) -> jax.Array | tuple[jax.Array, ...]:
   """x [..., K] with at most 16 rows in all (the leading dims' product) @ w [K, N] -> [..., N].
 
   `w` may also be a tuple of weights [K, N_i] that share x (a layer's q, k and v
@@ -233,11 +222,10 @@ def _pallas_call(x, weights: tuple, widths: tuple, config: LinearConfig, out_dty
                                      jnp.float32 if partial else out_dtype) for n in widths]
   if norm_scale is not None:
     out_shapes.append(jax.ShapeDtypeStruct((splits, rows), jnp.float32))
-  fp32 = jnp.dtype(weights[0].dtype) == jnp.float32
   kernel = functools.partial(
       _skinny_kernel, widths=widths, rows=rows, k_size=k_size, block_n=config.block_n,
       block_k=config.block_k, chunk_tiles=chunk_tiles, partial=partial, normed=norm_scale is not None,
-      precision=lax.Precision.HIGHEST if fp32 else None)
+      precision=dot_precision(weights[0].dtype))
   inputs = (x, *weights) if norm_scale is None else (x, norm_scale, *weights)
   with quiet():
     outs = pl.pallas_call(
@@ -257,7 +245,7 @@ def skinny_matmul_partials(x, weights: tuple, norm_scale, *, config: LinearConfi
   """The kernel's raw output for x [M, K] (M <= 16) times (x * norm_scale) @ w_i: fp32
   partial products [splits, M, N_i] of the K chunks, and the chunks' sums of x^2 [splits, M]
   (for the caller to finish an RMSNorm: rms_norm(x) @ w = rsqrt(sum / K + eps) * sum of
-  the partials). Unchecked: for jaxflash's fused kernels (jaxflash/qkv.py)."""
+  the partials). Unchecked: for jaxflash's fused kernels (jaxflash/fused/qkv.py)."""
   return _pallas_call(x, tuple(weights), tuple(int(w.shape[1]) for w in weights), config,
                       jnp.float32, interpret, norm_scale=norm_scale, force_partial=True)
 

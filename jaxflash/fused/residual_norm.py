@@ -23,13 +23,14 @@ from jax import lax
 
 from jaxflash import _checks
 from jaxflash._triton import CompilerParams, load_masked, pl, quiet, store, use_interpret
+from jaxflash._util import next_power_of_2
 
 
 def _add_rms_norm_kernel(x_ref, deltas_ref, scale_ref, h_ref, out_ref, *, splits: int, size: int,
                          eps: float):
   """Program i: row i. x_ref [M, D]; deltas_ref [S, M, D]; scale_ref [D]; h_ref, out_ref [M, D]."""
   i = pl.program_id(0)
-  size_p = pl.next_power_of_2(size)
+  size_p = next_power_of_2(size)
   in_row = None if size_p == size else jnp.arange(size_p) < size  # static: no mask when D is 2^k
   cols = pl.ds(0, size_p)
   delta = jnp.zeros((size_p,), jnp.float32)
@@ -58,7 +59,8 @@ def _check(x, deltas, scale):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def add_rms_norm(x, deltas, scale, *, eps: float = 1e-6, interpret: bool | None = None):
+def add_rms_norm(x: jax.Array, deltas: jax.Array, scale: jax.Array, *, eps: float = 1e-6,
+                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """(h, rms_norm(h) * scale) with h = x + deltas, in one kernel.
 
   x [..., D] the residual stream; deltas of x's shape, or [S, ..., D]: S partial sums (a
@@ -76,7 +78,7 @@ def add_rms_norm(x, deltas, scale, *, eps: float = 1e-6, interpret: bool | None 
     return x, x
   x2 = x.reshape(rows, size)
   deltas = deltas.reshape(deltas.shape[0], rows, size)
-  size_p = pl.next_power_of_2(size)
+  size_p = next_power_of_2(size)
   with quiet():
     h, out = pl.pallas_call(
         functools.partial(_add_rms_norm_kernel, splits=deltas.shape[0], size=size, eps=float(eps)),

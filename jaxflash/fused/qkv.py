@@ -6,7 +6,7 @@ the products read a few MB of weights, and XLA runs the rest as five elementwise
 reduction kernels of ~1.3 us each, about what the weights take to read (bench/NOTES.md).
 Here it is one launch:
 
-  1. The skinny matmul's programs (jaxflash/linear.py), K cut into chunks so every SM reads
+  1. The skinny matmul's programs (jaxflash/fused/linear.py), K cut into chunks so every SM reads
      a slab of the weights. RMSNorm is a per-row factor r = rsqrt(mean(x^2) + eps), so
      rms_norm(x) @ w = r * ((x * scale) @ w): each program multiplies its chunk of x * scale
      by its slab and stores an fp32 partial product.
@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +45,10 @@ from jaxflash import _checks
 from jaxflash import device as device_lib
 from jaxflash._triton import (CompilerParams, atomic_add, block_barrier, load, load_masked, mask2d, pl, quiet,
                               store, use_interpret)
-from jaxflash.cache_write import cache_rows, check_cache_target
-from jaxflash.linear import MAX_ROWS, LinearConfig, column_block, k_chunks, skinny_matmul_partials
+from jaxflash._util import dot_precision, next_power_of_2
+from jaxflash.fused.cache_write import cache_rows, check_cache_target
+from jaxflash.fused.configs import MAX_ROWS, LinearConfig
+from jaxflash.fused.linear import column_block, k_chunks, skinny_matmul_partials
 
 MAX_SPLITS = 8  # K chunks of the product: the finishing step adds them with unrolled loads
 NORM_TILE = 256  # columns of x per load when the one-launch kernel recomputes the RMSNorm factor
@@ -54,7 +57,7 @@ NORM_TILE = 256  # columns of x per load when the one-launch kernel recomputes t
 def _norm_factor(sum_sq_ref, *, splits: int, rows: int, k_size: int, eps: float):
   """The RMSNorm factor rsqrt(mean(x^2) + eps) per row [16, 1] from the product's K chunks'
   sums of squares sum_sq_ref [splits, M]."""
-  splits_p = max(2, 1 << (splits - 1).bit_length())
+  splits_p = max(2, next_power_of_2(splits))
   row_ok = jnp.arange(MAX_ROWS) < rows
   sum_sq = load(sum_sq_ref.at[pl.ds(0, splits_p), pl.ds(0, MAX_ROWS)],
                 mask=(jnp.arange(splits_p) < splits)[:, None] & row_ok[None, :], other=0.0)
@@ -105,7 +108,7 @@ def _finish_head(r, cos_ref, sin_ref, part_ref, b_ref, head, *, splits: int, row
 
 
 def _padded_half(head_dim: int) -> int:
-  return max(16, 1 << (head_dim // 2 - 1).bit_length())  # Triton blocks have power-of-two sides
+  return max(16, next_power_of_2(head_dim // 2))
 
 
 def _store_head(o_ref, head, halves, *, rows: int, head_dim: int):
@@ -284,9 +287,13 @@ def _check_inputs(x, norm_scale, weights, biases, cos, sin, head_dim: int):
 
 
 @functools.partial(jax.jit, static_argnames=("head_dim", "eps", "config", "one_launch", "interpret"))
-def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, eps: float = 1e-6,
-                   kv_cache=None, positions=None, block_table=None, config: LinearConfig | None = None,
-                   one_launch: bool = True, counters=None, interpret: bool | None = None):
+def qkv_projection(x: jax.Array, norm_scale: jax.Array, weights: Sequence[jax.Array],
+                   biases: Sequence[jax.Array] | None, cos: jax.Array, sin: jax.Array, *, head_dim: int,
+                   eps: float = 1e-6, kv_cache: tuple[jax.Array, jax.Array] | None = None,
+                   positions: jax.Array | None = None, block_table: jax.Array | None = None,
+                   config: LinearConfig | None = None, one_launch: bool = True,
+                   counters: jax.Array | None = None, interpret: bool | None = None
+                   ) -> tuple[jax.Array, ...]:
   """q, k, v of a decode step: rope(rms_norm(x) @ wq + bq), rope(rms_norm(x) @ wk + bk),
   rms_norm(x) @ wv + bv, in one kernel launch (two when head_dim does not divide the
   config's block_n, or with `one_launch=False`).
@@ -385,7 +392,7 @@ def qkv_projection(x, norm_scale, weights, biases, cos, sin, *, head_dim: int, e
     aliases[len(operands)] = len(widths)  # the counters, updated in place
     operands.append(counts)
     product = dict(rows=rows, k_size=k_size, block_k=config.block_k, chunk_tiles=chunk_tiles, partial=True,
-                   precision=lax.Precision.HIGHEST if jnp.dtype(weights[0].dtype) == jnp.float32 else None)
+                   precision=dot_precision(weights[0].dtype))
     kernel = functools.partial(_one_launch_kernel, widths=widths, block_n=config.block_n, interpret=interpret,
                                product=product, **common)
     grid, params, name = (n_blocks, splits), (config.num_warps, config.num_stages), "jaxflash_qkv_projection"
