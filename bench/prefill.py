@@ -1,4 +1,5 @@
-"""Causal prefill: jaxflash against cuDNN, XLA, textbook attention and JAX's Pallas `mha`.
+"""Causal prefill: jaxflash against cuDNN, FlashAttention-3, tokamax, XLA, textbook attention
+and JAX's Pallas `mha`.
 
 The shapes of "Writing an Attention Kernel: FlashAttention and Decode in Triton" (Qwen2.5-1.5B
 attention): 12 query heads, 2 KV heads, head dim 128, bf16, causal; batch 1 at n = 512 ...
@@ -24,15 +25,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from bench import peers
 from bench.cli import TimeLimit, begin_run, bench_arguments, log
 from bench.report import format_value, markdown_table, value_with_pct, write_results
 from bench.timing import Timing, device_times_us, free_memory, has_gpu, try_call
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
-IMPLS = ("jaxflash", "cudnn", "pallas_mha", "xla", "naive")
-LABELS = {"jaxflash": "jaxflash", "cudnn": "cuDNN (jax.nn)", "pallas_mha": "JAX Pallas mha",
-          "xla": "jax.nn xla", "naive": "naive einsum"}
+IMPLS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "cudnn", "fa3", "tokamax", "pallas_mha",
+         "xla", "naive")
+LABELS = {"jaxflash": "jaxflash (default)", "jaxflash_triton": "jaxflash Triton",
+          "jaxflash_mosaic": "jaxflash Mosaic", "cudnn": "cuDNN (jax.nn)", "fa3": "FlashAttention-3",
+          "tokamax": "tokamax mosaic", "pallas_mha": "JAX Pallas mha", "xla": "jax.nn xla",
+          "naive": "naive einsum"}
 # Textbook attention holds the n x n scores several times (bf16 scores, fp32 softmax): at
 # 32768 tokens that is ~12 x 32768^2 x 10 bytes = 129 GB, past the card (the seed article's
 # laptop ran out of memory at 16384).
@@ -41,11 +46,31 @@ MAX_N_MATERIALIZED = 16384
 
 # ----------------------------------------------------------------------------- the contenders
 
-def jaxflash_fn(config=None):
+def jaxflash_fn(q, k, v, mask):
+  """What a user gets: jaxflash.attention's choice of kernel (the Mosaic prefill on sm_90+)."""
+  import jaxflash  # here: an import error is one cell's error
+  del mask
+  return jaxflash.attention(q, k, v, is_causal=True)
+
+
+def jaxflash_triton_fn(config=None):
   def run(q, k, v, mask):
-    from jaxflash.prefill import prefill_attention  # here: an import error is one cell's error
+    from jaxflash.prefill import prefill_attention
     del mask
     return prefill_attention(q, k, v, is_causal=True, config=config)
+  return run
+
+
+def jaxflash_mosaic_fn(q, k, v, mask):
+  from jaxflash.mosaic import prefill_attention
+  del mask
+  return prefill_attention(q, k, v, is_causal=True)
+
+
+def peer_fn(attend):
+  def run(q, k, v, mask):
+    del mask
+    return attend(q, k, v)
   return run
 
 
@@ -92,8 +117,10 @@ def pallas_mha_fn(q, k, v, mask):
                interpret=not has_gpu())
 
 
-CONTENDERS = {"jaxflash": jaxflash_fn(), "cudnn": cudnn_fn, "pallas_mha": pallas_mha_fn,
-              "xla": xla_fn, "naive": naive_fn}
+CONTENDERS = {"jaxflash": jaxflash_fn, "jaxflash_triton": jaxflash_triton_fn(),
+              "jaxflash_mosaic": jaxflash_mosaic_fn, "cudnn": cudnn_fn,
+              "fa3": peer_fn(peers.fa3_attention), "tokamax": peer_fn(peers.tokamax_attention),
+              "pallas_mha": pallas_mha_fn, "xla": xla_fn, "naive": naive_fn}
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -119,14 +146,15 @@ def causal_flops(batch: int, n: int) -> float:
 
 # ----------------------------------------------------------------------------- measurements
 
-def bench_row(batch: int, n: int, ceiling_tflops: float | None, limit, check: bool = False) -> dict:
+def bench_row(batch: int, n: int, ceiling_tflops: float | None, limit, check: bool = False,
+              impls=IMPLS) -> dict:
   """One (batch, n): every contender timed under one profiler trace. With `check`, also each
   one's max abs error against float32 attention (row["max_abs_error"])."""
   row = {"batch": batch, "n": n, "gflop": causal_flops(batch, n) / 1e9, "errors": {}, "kernels": {}}
   q, k, v = make_inputs(batch, n)
   mask = causal_mask(n) if n <= MAX_N_MATERIALIZED else jnp.zeros((1, 1), DTYPE)
   cases = {}
-  for impl in IMPLS:
+  for impl in impls:
     if impl in ("xla", "naive") and n > MAX_N_MATERIALIZED:
       row["errors"][impl] = f"skipped: n > {MAX_N_MATERIALIZED} (the n x n scores do not fit)"
       continue
@@ -160,8 +188,9 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, limit, check: bo
     kernel_us = mha.kernel_us("mha_forward")
     row["pallas_mha_kernel_tflops"] = flops / (kernel_us * 1e-6) / 1e12 if kernel_us else None
   jf = row.get("jaxflash_tflops")
-  for other, key in (("cudnn", "jf_over_cudnn"), ("pallas_mha", "jf_over_mha")):
-    theirs = row.get(f"{other}_tflops")
+  best_peer = max((row.get(f"{p}_tflops") or 0 for p in ("fa3", "tokamax")), default=0) or None
+  for theirs, key in ((row.get("cudnn_tflops"), "jf_over_cudnn"), (best_peer, "jf_over_best_peer"),
+                      (row.get("pallas_mha_tflops"), "jf_over_mha")):
     row[key] = jf / theirs if jf and theirs else None
   del q, k, v, mask
   free_memory()
@@ -194,7 +223,7 @@ def sweep(n: int, ceiling_tflops: float | None, limit, grid: dict) -> list[dict]
     if limit.exhausted():
       row["error"] = "skipped: time limit"
       continue
-    cases[row["config"]] = (jaxflash_fn(config), (q, k, v, mask))
+    cases[row["config"]] = (jaxflash_triton_fn(config), (q, k, v, mask))
   # One profiler trace per group of configs: a crash or the time limit loses little.
   flops = causal_flops(1, n)
   names = list(cases)
@@ -226,7 +255,9 @@ def main_columns():
   cols += [(lambda r, i=impl: value_with_pct(r, f"{i}_tflops", f"{i}_pct"), LABELS[impl])
            for impl in IMPLS]
   cols += [("pallas_mha_kernel_tflops", "Pallas mha kernel only"),
-           ("jf_over_cudnn", "jaxflash / cuDNN", "{:.2f}"), ("jf_over_mha", "jaxflash / Pallas mha", "{:.2f}")]
+           ("jf_over_cudnn", "jaxflash / cuDNN", "{:.2f}"),
+           ("jf_over_best_peer", "jaxflash / best of FA3, tokamax", "{:.2f}"),
+           ("jf_over_mha", "jaxflash / Pallas mha", "{:.2f}")]
   return cols
 
 
@@ -244,7 +275,8 @@ def main(argv=None):
     grid = {"block_q": [64], "block_k": [32, 64], "num_warps": [4], "num_stages": [2]}
     ceiling_args = dict(matmul_n=256, hbm_gib=1 / 64)
   else:
-    ns = [1024, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    # --quick: the sizes of the issue targets, without the materialising XLA paths.
+    ns = [2048, 4096, 16384, 32768] if args.quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
     sizes = [(1, n) for n in ns] + [(4, 4096)]
     acc_n, sweep_n = 4096, 8192
     grid = {"block_q": [64, 128], "block_k": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
@@ -270,7 +302,9 @@ def main(argv=None):
       notes.append(f"B={batch} n={n}: skipped (time limit)")
       continue
     log(f"[{limit.elapsed():6.1f}s] B={batch} n={n}")
-    row, err = try_call(bench_row, batch, n, ceiling, limit, check=(batch, n) == (1, acc_n))
+    impls = tuple(i for i in IMPLS if not (args.quick and i in ("xla", "naive")))
+    row, err = try_call(bench_row, batch, n, ceiling, limit, check=(batch, n) == (1, acc_n),
+                        impls=impls)
     if err:
       notes.append(f"B={batch} n={n}: row failed: {err[:300]}")
       log(f"  row failed: {err}")
@@ -329,6 +363,7 @@ def main(argv=None):
   log(f"matmul ceiling {format_value(ceiling)} TFLOP/s; timing: {meta['timing']}")
   log(markdown_table(rows, [("batch", "B"), ("n", "n")] + [
       (f"{impl}_tflops", impl) for impl in IMPLS] + [("jf_over_cudnn", "jf/cudnn", "{:.2f}"),
+                                                       ("jf_over_best_peer", "jf/peer", "{:.2f}"),
                                                        ("jf_over_mha", "jf/mha", "{:.2f}")]))
 
 
