@@ -6,6 +6,7 @@ from jaxflash.decode import SplitKV, decode_attention
 from jaxflash.device import DeviceInfo, device_info
 from jaxflash.linear import LinearConfig, skinny_matmul
 from jaxflash.paged import gather_pages, paged_decode_attention, paged_kv_write
+from jaxflash.paged_prefill import paged_prefill_attention
 from jaxflash.prefill import prefill_attention
 from jaxflash.qkv import qkv_projection
 from jaxflash.reference import attention_reference
@@ -14,7 +15,7 @@ from jaxflash.split_kv_projection import project_split_kv
 
 __all__ = [
     "attention", "prefill_attention", "decode_attention", "paged_decode_attention",
-    "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
+    "paged_kv_write", "paged_prefill_attention", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
     "SplitKV", "project_split_kv",
