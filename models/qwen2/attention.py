@@ -1,9 +1,12 @@
 """Qwen2 self-attention: GQA with biased q/k/v projections and RoPE, computed by jaxflash.
 
 Which kernel runs:
-  * no cache, or a prompt written into an empty cache (T > 1): the FlashAttention-2 prefill
-    kernel over the new tokens' own keys, causal, with `query_seq_lengths` =
-    `key_value_seq_lengths` = the valid (unpadded) tokens of each right-padded row;
+  * no cache (T >= 1): the FlashAttention-2 prefill kernel over the new tokens' own keys,
+    causal, with `query_seq_lengths` = `key_value_seq_lengths` = the valid (unpadded)
+    tokens of each right-padded row;
+  * T > 1 new tokens per sequence with a cache (a prompt, or a chunk of one after the
+    tokens already cached): `chunk_over_cache_attention`, the paged prefill kernel through
+    the block table or the prefill kernel over the contiguous cache;
   * one new token per sequence with a cache (T == 1): the split-KV decode kernel over the
     contiguous cache, or the paged decode kernel through the block table.
 `attention_impl` switches the same calls to jaxflash's plain-JAX path ("xla") or to
@@ -16,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxflash
+from jaxflash.reference import visible_keys
 from models.qwen2.cache import LayerKV
 from models.qwen2.config import ATTENTION_IMPLS
 from models.qwen2.initializers import dense_init
@@ -40,6 +44,40 @@ def dot_product_attention(query, key, value, *, impl: str | None, is_causal: boo
   return jaxflash.attention(query, key, value, is_causal=is_causal, query_seq_lengths=query_lengths,
                             key_value_seq_lengths=kv_lengths, block_table=block_table,
                             implementation=impl)
+
+
+def chunk_over_cache_attention(query, kv: LayerKV, new_lengths, *, impl: str | None):
+  """Chunked prefill: query [B, T, N, H], row b's first new_lengths[b] rows are its newest
+  tokens, already written into kv's cache after the kv.lengths[b] tokens it held; each
+  attends to every earlier token of its row and causally to the chunk (bottom-right: query t
+  sits at position kv.lengths[b] + t). -> [B, T, N, H]; padding rows give zeros.
+
+  Paged caches go through jaxflash.paged_prefill_attention (on one device; a split model
+  gathers its pages first), contiguous ones through the prefill kernel over the whole cache
+  (its loop bounds stop at each row's length). "xla" and "cudnn" gather the pages and attend
+  with a bottom-right causal mask (jax.nn's own causal mask is top-left)."""
+  total = kv.lengths + new_lengths  # keys per row, the new ones included
+  keys, values = kv.keys, kv.values
+  if kv.paged and impl is None and jax.device_count() == 1:
+    return jaxflash.paged_prefill_attention(query, keys, values, total, kv.block_table, new_lengths)
+  if kv.paged:
+    keys, values = jaxflash.gather_pages(keys, kv.block_table), jaxflash.gather_pages(values, kv.block_table)
+  if impl is None and jax.device_count() == 1:
+    return jaxflash.prefill_attention(query, keys, values, new_lengths, total, is_causal=True)
+  if impl is None:
+    # A split model: jaxflash.attention partitions the kernel (its causal diagonal is
+    # bottom-right, as the kernels' is).
+    return jaxflash.attention(query, keys, values, is_causal=True, query_seq_lengths=new_lengths,
+                              key_value_seq_lengths=total)
+  batch, steps = query.shape[:2]
+  mask = visible_keys(batch, steps, keys.shape[1], is_causal=True, query_seq_lengths=new_lengths,
+                      key_value_seq_lengths=total)[:, None]  # [B, 1, T, S]
+  if impl == "cudnn":
+    out = jax.nn.dot_product_attention(query, keys, values, mask=mask, implementation="cudnn")
+    return jnp.where(jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None], out, 0)
+  return jaxflash.attention_reference(query, keys, values, scale=query.shape[-1] ** -0.5,
+                                      is_causal=True, query_seq_lengths=new_lengths,
+                                      key_value_seq_lengths=total)[0]
 
 
 def _split_kv_chunks(query, kv: LayerKV, lengths) -> jaxflash.SplitKV:
@@ -71,9 +109,9 @@ class Attention(nnx.Module):
                projector: Projector = Projector()) -> tuple[jax.Array, LayerKV | None]:
     """x [B, T, hidden], or norm(x) the input when `norm` (an RMSNorm) is given; rope =
     (cos, sin) [B, T, head_dim/2]; lengths [B] valid new tokens per row (None: all T). With
-    `kv`, the new keys/values are written to it and the updated LayerKV is returned; with
-    T > 1 the cache must not hold earlier tokens of these sequences (prefill from scratch:
-    the prompt attends to itself only). `projector`: how the projections multiply
+    `kv`, the new keys/values are written after the tokens it holds and the updated LayerKV
+    is returned; they attend to every cached token of their row and causally to each other
+    (T > 1: a prompt, or a chunk of one, see `chunk_over_cache_attention`). `projector`: how the projections multiply
     (models/qwen2/linear.py)."""
     heads, kv = self.attend(x, rope, lengths, kv, norm=norm, attention_impl=attention_impl,
                             projector=projector)
@@ -110,9 +148,11 @@ class Attention(nnx.Module):
         kv = kv.write(k, v, new_lengths)
 
     with jax.named_scope("attention"):
-      if kv is None or steps > 1:
+      if kv is None:
         out = dot_product_attention(q, k, v, impl=attention_impl, is_causal=True,
                                     query_lengths=lengths, kv_lengths=lengths)
+      elif steps > 1:
+        out = chunk_over_cache_attention(q.astype(kv.keys.dtype), kv, new_lengths, impl=attention_impl)
       else:
         # One new token: it sees every cached key (a bottom-right diagonal at S_b),
         # so the decode kernels need no causal mask, only the lengths.

@@ -73,8 +73,9 @@ class Qwen2ForCausalLM(nnx.Module):
 
     positions [B, T]: default 0..T-1 after the tokens already cached. lengths [B]: the
     valid tokens of each right-padded row (default T); padding is neither attended to nor
-    written to the cache. With a cache, T > 1 is a prefill into an empty cache and T == 1
-    a decode step (lengths 0 marks a finished row: nothing is written for it).
+    written to the cache. With a cache, row b's new tokens go after the cache.lengths[b]
+    tokens it holds and attend to them (T > 1: a prompt, or a chunk of one; T == 1: a decode
+    step); lengths 0 marks an idle row: nothing is written for it.
     """
     hidden, cache = self.hidden_states(tokens, positions, cache, lengths=lengths,
                                        attention_impl=attention_impl)
