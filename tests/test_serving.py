@@ -297,3 +297,16 @@ def test_sample_rows_per_row_settings():
   assert out[3] in np.argsort(-np.asarray(logits[3]))[:3]
   again = sample_rows(logits, keys, temperature, jnp.asarray([0, 1, 0, 3]), jnp.asarray([1.0, 1.0, 1e-6, 1.0]))
   np.testing.assert_array_equal(out, again)
+
+
+def test_generate_command_serves_a_requests_file(tmp_path, capsys):
+  """`python -m models.generate --requests FILE` (random demo model, plain-JAX attention):
+  every request runs, a bad one is refused, and the summary is printed."""
+  from models import generate as command
+  path = tmp_path / "requests.jsonl"
+  path.write_text('"Hello"\n{"prompt": "The sky is", "max_new_tokens": 2, "seed": 3}\n'
+                  '{"prompt": "x", "max_new_tokens": -1}\n')
+  assert command.main(["--requests", str(path), "--max-new-tokens", "3", "--attention", "xla"]) == 0
+  out = capsys.readouterr().out
+  assert "request 3 refused: max_new_tokens must be >= 0" in out
+  assert "2 requests, 5 new tokens" in out and "time to first token: p50" in out

@@ -78,10 +78,10 @@ def step_function(graphdef, treedef):
   return jitted, traces
 
 
-def chunk_buckets(largest: int) -> tuple[int, ...]:
-  """Powers of two from MIN_BUCKET up to the first >= largest."""
-  top = max(MIN_BUCKET, 1 << (max(largest, 1) - 1).bit_length())
-  return tuple(1 << e for e in range(MIN_BUCKET.bit_length() - 1, top.bit_length()))
+def chunk_buckets(largest: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+  """Powers of two from `smallest` (a power of two) up to the first >= largest."""
+  top = max(smallest, 1 << (max(largest, 1) - 1).bit_length())
+  return tuple(1 << e for e in range(smallest.bit_length() - 1, top.bit_length()))
 
 
 class Engine:
@@ -92,19 +92,23 @@ class Engine:
   sequence (default the model's max_position_embeddings). token_budget: tokens one step
   feeds at most (decodes first, prefill chunks share the rest). prefill_lanes: prefill
   chunks per step. chunked_prefill False: a prompt is fed in one piece. prefix_caching:
-  reuse the pages of cached prefixes. attention_impl: as for models.qwen2.generate.
+  reuse the pages of cached prefixes. min_chunk: the smallest chunk bucket (a power of two;
+  larger means fewer compilations, more padding). attention_impl: as for models.qwen2.generate.
   """
 
   def __init__(self, model: Qwen2ForCausalLM, *, max_slots: int = 8, page_size: int = 16,
                num_pages: int | None = None, max_seq_len: int | None = None,
                token_budget: int = 512, prefill_lanes: int = 2, chunked_prefill: bool = True,
-               prefix_caching: bool = True, attention_impl: str | None = None):
+               prefix_caching: bool = True, min_chunk: int = MIN_BUCKET,
+               attention_impl: str | None = None):
     from models.qwen2.sampler import resolve_attention_impl
     config = model.config
     for name, value in (("max_slots", max_slots), ("token_budget", token_budget),
                         ("prefill_lanes", prefill_lanes)):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(min_chunk, int) or min_chunk < 1 or min_chunk & (min_chunk - 1):
+      raise ValueError(f"min_chunk must be a power of two, got {min_chunk!r}")
     self.config = config
     self.max_seq_len = min(max_seq_len or config.max_position_embeddings, config.max_position_embeddings)
     self.max_slots, self.prefill_lanes, self.page_size = max_slots, prefill_lanes, page_size
@@ -117,7 +121,8 @@ class Engine:
     largest = min(token_budget, self.max_seq_len) if chunked_prefill else self.max_seq_len
     self.scheduler = Scheduler(self.allocator, self.prefix_cache, max_slots=max_slots,
                                token_budget=token_budget, prefill_lanes=prefill_lanes,
-                               chunked_prefill=chunked_prefill, buckets=chunk_buckets(largest),
+                               chunked_prefill=chunked_prefill,
+                               buckets=chunk_buckets(largest, min_chunk),
                                max_seq_len=self.max_seq_len)
     graphdef, state = nnx.split(model)
     self.params, treedef = jax.tree.flatten(state)
@@ -168,6 +173,22 @@ class Engine:
   @property
   def stats(self) -> dict:
     return {**self.scheduler.stats, "compilations": self.compilations}
+
+  def warm_up(self) -> None:
+    """Compiles the step for every chunk bucket (and the decode-only step) now, on inputs
+    that write nothing, so that serving never waits for a compilation."""
+    slots, lanes, zeros = self.max_slots, self.prefill_lanes, functools.partial(np.zeros, dtype=np.int32)
+    for bucket in (0, *self.scheduler.buckets):
+      rows = slots + (lanes if bucket else 0)
+      prefill = None if not bucket else tuple(jnp.asarray(x) for x in (
+          zeros((lanes, bucket)), zeros((lanes,)), zeros((lanes,)), zeros((lanes, self.max_pages))))
+      sampling = (jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32),
+                  jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.int32),
+                  jnp.ones((rows,), jnp.float32))
+      tokens, self.cache = self._step(self.params, self.cache, jnp.asarray(zeros((slots,))),
+                                      jnp.asarray(zeros((slots,))), jnp.asarray(zeros((slots,))),
+                                      prefill, sampling, attention_impl=self.attention_impl)
+      tokens.block_until_ready()
 
   # ----------------------------------------------------------------------------- one step
 
