@@ -35,6 +35,14 @@ def model():
   return model
 
 
+@pytest.fixture(autouse=True)
+def _full_precision():
+  """On a GPU, XLA's float32 dots default to TF32, enough to flip a greedy token between a
+  chunked and a whole prefill; on the CPU this changes nothing."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _prompts(lengths, seed):
   from tests import qwen2_fixtures
   return qwen2_fixtures.prompts(lengths, seed=seed)

@@ -129,7 +129,6 @@ class Engine:
     self._step, self._traces = step_function(graphdef, treedef)
     self._traces_at_start = self._traces[0]
     self._next_id = 0
-    self.handles: list[RequestHandle] = []
 
   # ----------------------------------------------------------------------------- interface
 
@@ -149,7 +148,6 @@ class Engine:
                        f"{self.page_size} tokens")
     handle = RequestHandle(self._next_id, request, self.step, arrival)
     self._next_id += 1
-    self.handles.append(handle)
     if request.max_new_tokens == 0:
       handle.finish_reason = "length"
     else:
@@ -205,8 +203,9 @@ class Engine:
 
   def _run(self, plan: StepPlan):
     slots, lanes = self.max_slots, self.prefill_lanes
-    rows = ([s for s, _ in plan.prefills] + [None] * (lanes - len(plan.prefills)) if plan.prefills
-            else []) + list(self.scheduler.slots)
+    # One sampling row per logits row: the prefill lanes (when the step has any), then the slots.
+    lane_rows = [s for s, _ in plan.prefills] + [None] * (lanes - len(plan.prefills))
+    rows = (lane_rows if plan.prefills else []) + list(self.scheduler.slots)
     decode_tokens = np.zeros((slots,), np.int32)
     decode_lengths = np.zeros((slots,), np.int32)
     decode_cached = np.zeros((slots,), np.int32)
@@ -225,7 +224,9 @@ class Engine:
         lengths[lane], cached[lane] = chunk, seq.cached
         table[lane] = self.allocator.block_table[seq.slot]
       prefill = tuple(jnp.asarray(x) for x in (tokens, lengths, cached, table))
-    sampling = [np.zeros((len(rows),), dtype) for dtype in (np.uint32, np.int32, np.float32, np.int32, np.float32)]
+    # seed, token index, temperature, top_k, top_p; idle rows: greedy, no cut.
+    sampling = [np.full((len(rows),), fill, dtype) for fill, dtype in
+                ((0, np.uint32), (0, np.int32), (0, np.float32), (0, np.int32), (1, np.float32))]
     for r, seq in enumerate(rows):
       if seq is not None:
         request = seq.handle.request

@@ -135,7 +135,9 @@ class Scheduler:
   def schedule(self) -> StepPlan | None:
     """The next step's work (None: nothing to run)."""
     self._admit()
-    decodes = [s for s in self.running if s.pending == 1 and self._grow(s, s.cached + 1)]
+    # (A sequence preempted by an older one's growth in this loop has no slot any more.)
+    decodes = [s for s in self.running
+               if s.slot is not None and s.pending == 1 and self._grow(s, s.cached + 1)]
     budget = self.token_budget - len(decodes)
     prefills: list[tuple[Sequence, int]] = []
     largest = self.buckets[-1]
