@@ -111,8 +111,8 @@ class Attention(nnx.Module):
     (cos, sin) [B, T, head_dim/2]; lengths [B] valid new tokens per row (None: all T). With
     `kv`, the new keys/values are written after the tokens it holds and the updated LayerKV
     is returned; they attend to every cached token of their row and causally to each other
-    (T > 1: a prompt, or a chunk of one, see `chunk_over_cache_attention`). `projector`: how the projections multiply
-    (models/qwen2/linear.py)."""
+    (T > 1: a prompt, or a chunk of one, see `chunk_over_cache_attention`). `projector`: how
+    the projections multiply (models/qwen2/linear.py)."""
     heads, kv = self.attend(x, rope, lengths, kv, norm=norm, attention_impl=attention_impl,
                             projector=projector)
     with jax.named_scope("output_projection"):
