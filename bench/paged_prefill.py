@@ -22,8 +22,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import common  # noqa: E402
-from bench.common import log  # noqa: E402
+try:  # bench split by concept (main from 3c2146b on)
+  from bench import timing  # noqa: E402
+  from bench.cli import TimeLimit, begin_run, bench_arguments, log, smoke_out_dir  # noqa: E402
+  from bench.environment import env_metadata  # noqa: E402
+  from bench.report import RESULTS_DIR, format_value, value_with_pct, write_results  # noqa: E402
+  LIMIT = "time_limit_s"
+except ImportError:  # the single bench module before the split
+  from bench import common as timing  # noqa: E402
+  from bench.common import Budget as TimeLimit, DEFAULT_OUT as RESULTS_DIR  # noqa: E402
+  from bench.common import (begin_run, bench_arguments, env_metadata, format_value, log,  # noqa: E402
+                            smoke_out_dir, value_with_pct, write_results)
+  LIMIT = "budget_s"
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -58,28 +68,28 @@ def bench_row(n: int, t: int, page_sizes, ceiling):
     cases[f"paged{page}"] = (
         lambda q, kp, vp, kl, tb, ql: paged_prefill_attention(q, kp, vp, kl, tb, ql, is_causal=True),
         (q, k_pool, v_pool, kv_len, jnp.asarray(table[None], jnp.int32), q_len))
-  timings = common.device_times_us(cases, keep_output=True, log=log)
+  timings = timing.device_times_us(cases, keep_output=True, log=log)
   flops = 4 * causal_pairs(t, n) * HEAD_DIM * NUM_HEADS
   row = {"n": n, "t": t, "errors": {}}
   reference = getattr(timings.get("contiguous"), "output", None)
-  for name, timing in timings.items():
-    if isinstance(timing, dict):
-      row["errors"][name] = timing["error"]
+  for name, measured in timings.items():
+    if isinstance(measured, dict):
+      row["errors"][name] = measured["error"]
       continue
-    row[f"{name}_us"] = timing.us
-    row[f"{name}_tflops"] = flops / timing.us / 1e6
+    row[f"{name}_us"] = measured.us
+    row[f"{name}_tflops"] = flops / measured.us / 1e6
     if ceiling:
       row[f"{name}_pct"] = 100 * row[f"{name}_tflops"] / ceiling
     if name != "contiguous" and reference is not None:
-      row[f"{name}_max_diff"] = float(jnp.max(jnp.abs(timing.output.astype(jnp.float32)
+      row[f"{name}_max_diff"] = float(jnp.max(jnp.abs(measured.output.astype(jnp.float32)
                                                       - reference.astype(jnp.float32))))
-      row[f"{name}_over_contiguous"] = timing.us / row["contiguous_us"] if "contiguous_us" in row else None
+      row[f"{name}_over_contiguous"] = measured.us / row["contiguous_us"] if "contiguous_us" in row else None
   return row
 
 
 def columns(page_sizes):
   cols = [("n", "keys n"), ("t", "new tokens T"),
-          (lambda r: common.value_with_pct(r, "contiguous_tflops", "contiguous_pct"), "contiguous TFLOP/s"),
+          (lambda r: value_with_pct(r, "contiguous_tflops", "contiguous_pct"), "contiguous TFLOP/s"),
           ("contiguous_us", "contiguous us")]
   for page in page_sizes:
     cols += [(f"paged{page}_us", f"paged {page} us"),
@@ -89,16 +99,16 @@ def columns(page_sizes):
 
 
 def main(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", budget_s=240.0,
+  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", **{LIMIT: 240.0},
                              quick="4K and 32K keys only")
   args = p.parse_args(argv)
-  budget = common.Budget(args.budget_s)
+  budget = TimeLimit(getattr(args, LIMIT))
   if args.smoke:
     ns, chunk, page_sizes, ceiling_args = [128, 256], 64, (16, 64), dict(matmul_n=256, hbm_gib=1 / 64)
   else:
     ns = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768]
     chunk, page_sizes, ceiling_args = CHUNK, (16, 64), dict(matmul_n=8192, hbm_gib=4.0)
-  meta, out_dir = common.begin_run("paged_prefill", args, **ceiling_args)
+  meta, out_dir = begin_run("paged_prefill", args, **ceiling_args)
   meta.update(title="Paged prefill vs contiguous prefill (device time)",
               shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
                           dtype="bfloat16", causal="bottom_right", batch=1),
@@ -111,15 +121,15 @@ def main(argv=None):
         notes.append(f"n={n} T={t}: skipped (time budget)")
         continue
       log(f"[{budget.elapsed():6.1f}s] n={n} T={t}")
-      row, err = common.try_call(bench_row, n, t, page_sizes, ceiling)
+      row, err = timing.try_call(bench_row, n, t, page_sizes, ceiling)
       if err:
         notes.append(f"n={n} T={t}: row failed: {err[:300]}")
         continue
       notes += [f"n={n} T={t} {name}: {e[:300]}" for name, e in row.pop("errors").items()]
-      log("  " + ", ".join(f"{k} {common.format_value(row.get(k))}" for k in row if k.endswith("_us")))
+      log("  " + ", ".join(f"{k} {format_value(row.get(k))}" for k in row if k.endswith("_us")))
       rows.append(row)
-      common.write_results("paged_prefill", rows, meta, columns(page_sizes), out_dir=out_dir, notes=notes)
-  paths = common.write_results(
+      write_results("paged_prefill", rows, meta, columns(page_sizes), out_dir=out_dir, notes=notes)
+  paths = write_results(
       "paged_prefill", rows, meta, columns(page_sizes), out_dir=out_dir, notes=notes,
       plot={"x": "n", "y": [f"paged{p}_over_contiguous" for p in page_sizes], "logx": True,
             "where": lambda r: r["t"] == r["n"], "xlabel": "keys n (whole prompt, batch 1)",

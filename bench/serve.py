@@ -32,8 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench import common  # noqa: E402
-from bench.common import log  # noqa: E402
+try:  # bench split by concept (main from 3c2146b on)
+  from bench import timing  # noqa: E402
+  from bench.cli import TimeLimit, begin_run, bench_arguments, log, smoke_out_dir  # noqa: E402
+  from bench.environment import env_metadata  # noqa: E402
+  from bench.report import RESULTS_DIR, format_value, value_with_pct, write_results  # noqa: E402
+  LIMIT = "time_limit_s"
+except ImportError:  # the single bench module before the split
+  from bench import common as timing  # noqa: E402
+  from bench.common import Budget as TimeLimit, DEFAULT_OUT as RESULTS_DIR  # noqa: E402
+  from bench.common import (begin_run, bench_arguments, env_metadata, format_value, log,  # noqa: E402
+                            smoke_out_dir, value_with_pct, write_results)
+  LIMIT = "budget_s"
 
 SEED = 2026_12_01
 SYSTEM_PROMPT = 2048
@@ -225,13 +235,13 @@ def columns():
 
 
 def main(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", budget_s=220.0,
+  p = bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", **{LIMIT: 220.0},
                              quick="fewer rates and requests")
   args = p.parse_args(argv)
-  budget = common.Budget(args.budget_s)
+  budget = TimeLimit(getattr(args, LIMIT))
   shape = SMOKE if args.smoke else (QUICK if args.quick else FULL)
-  out_dir = common.smoke_out_dir("serve") if args.smoke else Path(args.out or common.DEFAULT_OUT)
-  meta = common.env_metadata()
+  out_dir = smoke_out_dir("serve") if args.smoke else Path(args.out or RESULTS_DIR)
+  meta = env_metadata()
   log(f"serve benchmark on {meta['device']} ({meta['backend']})")
   model, impl = build(args, shape)
   meta.update(title="Serving a Poisson request trace: continuous batching vs static batching",
@@ -257,23 +267,23 @@ def main(argv=None):
     trace = make_trace(shape, rate, vocab, shared=trace_kind != "sharegpt")
     log(f"[{budget.elapsed():6.1f}s] {trace_kind} at {rate}/s: {LABELS[system]}")
     if system == "static":
-      row, err = common.try_call(run_static, model, impl, shape, trace)
+      row, err = timing.try_call(run_static, model, impl, shape, trace)
     else:
-      row, err = common.try_call(run_engine, system, model, impl, shape, trace)
+      row, err = timing.try_call(run_engine, system, model, impl, shape, trace)
     if err:
       notes.append(f"{trace_kind} {rate}/s {system}: failed: {err[:300]}")
       log(f"  failed: {err}")
       continue
     rows.append(dict(trace=trace_kind, rate=rate, system=system, **row))
-    log("  " + ", ".join(f"{k} {common.format_value(v)}" for k, v in row.items()))
-    common.write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes)
+    log("  " + ", ".join(f"{k} {format_value(v)}" for k, v in row.items()))
+    write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes)
   plots = [{"suffix": f"_{kind}_{metric}", "x": "rate", "y": metric, "series": "system", "logx": True,
             "labels": LABELS, "where": lambda r, k=kind: r["trace"] == k, "xlabel": "arrival rate (req/s)",
             "ylabel": label, "title": f"{label} against load ({kind} trace)"}
            for kind in ("sharegpt", "shared_system_prompt")
            for metric, label in (("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"),
                                  ("output_tok_s", "output tokens/s"))]
-  paths = common.write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes, plot=plots)
+  paths = write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes, plot=plots)
   log(f"wrote {paths['md']}")
   return 0
 
