@@ -52,32 +52,24 @@ def chunk_over_cache_attention(query, kv: LayerKV, new_lengths, *, impl: str | N
   attends to every earlier token of its row and causally to the chunk (bottom-right: query t
   sits at position kv.lengths[b] + t). -> [B, T, N, H]; padding rows give zeros.
 
-  Paged caches go through jaxflash.paged_prefill_attention (on one device; a split model
-  gathers its pages first), contiguous ones through the prefill kernel over the whole cache
-  (its loop bounds stop at each row's length). "xla" and "cudnn" gather the pages and attend
-  with a bottom-right causal mask (jax.nn's own causal mask is top-left)."""
+  Paged caches go through jaxflash.paged_prefill_attention (on one device; a split model,
+  and "xla" / "cudnn", gather the pages first), contiguous ones through
+  `dot_product_attention` over the whole cache (the prefill kernel's loop bounds stop at
+  each row's length); "cudnn" with a bottom-right mask (jax.nn's causal mask is top-left)."""
   total = kv.lengths + new_lengths  # keys per row, the new ones included
   keys, values = kv.keys, kv.values
   if kv.paged and impl is None and jax.device_count() == 1:
     return jaxflash.paged_prefill_attention(query, keys, values, total, kv.block_table, new_lengths)
   if kv.paged:
     keys, values = jaxflash.gather_pages(keys, kv.block_table), jaxflash.gather_pages(values, kv.block_table)
-  if impl is None and jax.device_count() == 1:
-    return jaxflash.prefill_attention(query, keys, values, new_lengths, total, is_causal=True)
-  if impl is None:
-    # A split model: jaxflash.attention partitions the kernel (its causal diagonal is
-    # bottom-right, as the kernels' is).
-    return jaxflash.attention(query, keys, values, is_causal=True, query_seq_lengths=new_lengths,
-                              key_value_seq_lengths=total)
-  batch, steps = query.shape[:2]
-  mask = visible_keys(batch, steps, keys.shape[1], is_causal=True, query_seq_lengths=new_lengths,
-                      key_value_seq_lengths=total)[:, None]  # [B, 1, T, S]
   if impl == "cudnn":
+    batch, steps = query.shape[:2]
+    mask = visible_keys(batch, steps, keys.shape[1], is_causal=True, query_seq_lengths=new_lengths,
+                        key_value_seq_lengths=total)[:, None]  # [B, 1, T, S]
     out = jax.nn.dot_product_attention(query, keys, values, mask=mask, implementation="cudnn")
     return jnp.where(jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None], out, 0)
-  return jaxflash.attention_reference(query, keys, values, scale=query.shape[-1] ** -0.5,
-                                      is_causal=True, query_seq_lengths=new_lengths,
-                                      key_value_seq_lengths=total)[0]
+  return dot_product_attention(query, keys, values, impl=impl, is_causal=True,
+                               query_lengths=new_lengths, kv_lengths=total)
 
 
 def _split_kv_chunks(query, kv: LayerKV, lengths) -> jaxflash.SplitKV:
