@@ -12,12 +12,14 @@ from jaxflash.device import DeviceInfo, device_info
 from jaxflash.fused import (LinearConfig, add_rms_norm, kv_cache_write, project_split_kv, qkv_projection,
                             skinny_matmul)
 from jaxflash.paged import gather_pages, paged_decode_attention, paged_kv_write
+from jaxflash.paged_prefill import paged_prefill_attention
 from jaxflash.prefill import prefill_attention
 from jaxflash.reference import attention_reference
 
 __all__ = [
     "attention", "IMPLEMENTATIONS", "prefill_attention", "decode_attention", "paged_decode_attention",
-    "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
+    "paged_prefill_attention", "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig",
+    "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
     "SplitKV", "project_split_kv",

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxflash import _checks, sharding
 from jaxflash._triton import use_interpret
-from jaxflash.reference import attention_reference, gather_pages
+from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods, soft_cap, window_size
 
 # None: the best kernel for the device. "triton": the Pallas-Triton kernels ("pallas", the
@@ -70,7 +70,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   # never recompiles.
   decode_like = _decode_semantics(query, query_seq_lengths, mods)
   static_scale = None
-  if implementation in ("cudnn", "mosaic") or (implementation == "triton" and decode_like):
+  if (implementation in ("cudnn", "mosaic")
+      or (implementation == "triton" and (decode_like or block_table is not None))):
     static_scale = _concrete_scale(scale, query.shape[-1])
   if scale is not None:
     scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
@@ -216,10 +217,15 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       from jaxflash.decode import decode_attention
       kernel = functools.partial(decode_attention, **static)
       result = sharding.decode(kernel, query, key, value, kv_lengths, **given)
+  elif paged and _paged_prefill_serves(mods, static_scale, options):
+    from jaxflash.paged_prefill import paged_prefill_attention
+    kernel = functools.partial(paged_prefill_attention, scale=static_scale,
+                               is_causal=mods.is_causal, return_residual=True)
+    result = sharding.paged_prefill(kernel, query, key, value, kv_lengths, block_table, q_lengths)
   else:
     if paged:
-      # A one-token query the decode kernels cannot serve (a top-left position): the
-      # prefill kernel over the gathered pages.
+      # What the paged kernels do not take (a top-left position, a traced scale, or options
+      # with T > 1): the prefill kernel over the gathered pages.
       key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     from jaxflash.prefill import prefill_attention
     kernel = functools.partial(
@@ -229,6 +235,14 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     result = sharding.prefill(kernel, query, key, value, q_lengths, kv_lengths,
                               scale=_checks.scale_operand(scale, head_dim), **options)
   return _finish(result, return_residual, unbatched)
+
+
+def _paged_prefill_serves(mods: ScoreMods, static_scale, options) -> bool:
+  """Whether jaxflash.paged_prefill_attention computes this call: bottom-right causal (or no
+  causal mask), a compile-time scale and no other option."""
+  return (static_scale is not None and mods.window is None and mods.logits_soft_cap is None
+          and all(x is None for x in options.values())
+          and (mods.causal_alignment == "bottom_right" or not mods.is_causal))
 
 
 def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: ScoreMods, scale: float | None, return_residual: bool, bias, mask, sinks):
@@ -244,15 +258,23 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
     raise unsupported("return_residual")
   if scale is None:
     raise unsupported("a traced scale (cuDNN takes the scale as a compile-time number)")
-  t, s = query.shape[1], key.shape[1] if block_table is None else block_table.shape[1] * key.shape[1]
+  if block_table is not None:
+    key, value = gather_pages(key, block_table), gather_pages(value, block_table)
+  batch, t, s = query.shape[0], query.shape[1], key.shape[1]
   masks_positions = mods.is_causal or mods.window is not None
   if (mods.causal_alignment == "bottom_right" and masks_positions
       and (t != s or q_lengths is not None or kv_lengths is not None)):
-    # Bottom-right and top-left agree only when every sequence has T == S.
-    raise unsupported("causal_alignment='bottom_right' with T != S or sequence lengths "
-                      "(jax.nn aligns is_causal and local_window_size top-left)")
-  if block_table is not None:
-    key, value = gather_pages(key, block_table), gather_pages(value, block_table)
+    # jax.nn aligns is_causal and the window top-left; where bottom-right differs (T != S, or
+    # lengths) the visible keys go in as an explicit mask [B, 1, T, S], and rows that see no
+    # key are zeroed (cuDNN leaves them unspecified).
+    visible = visible_keys(batch, t, s, is_causal=mods.is_causal, query_seq_lengths=q_lengths,
+                           key_value_seq_lengths=kv_lengths, local_window_size=mods.window,
+                           causal_alignment="bottom_right")[:, None]
+    mask = visible if mask is None else mask & visible
+    out = jax.nn.dot_product_attention(query, key, value, bias, mask, scale=scale,
+                                       implementation="cudnn")
+    attended = jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]  # [B, T, N or 1, 1]
+    return jnp.where(attended, out, 0).astype(out.dtype)
   return jax.nn.dot_product_attention(
       query, key, value, bias, mask, scale=scale, is_causal=mods.is_causal,
       query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,

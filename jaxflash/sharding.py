@@ -70,6 +70,7 @@ PAGED_OPERANDS = (("b", "t", "n", "h"),  # query [B, 1, N, H]
                   ("p", "z", "k", "h"),  # value pages [P, page_size, K, H]
                   ("b",),                # key_value_seq_lengths [B]
                   ("b", "m"))            # block_table [B, max_pages]
+PAGED_PREFILL_OPERANDS = PAGED_OPERANDS + (("b",),)  # + query_seq_lengths [B]
 RESULTS = (("b", "t", "n", "h"),  # out [B, T, N, H]
            ("b", "t", "n"))       # lse [B, T, N]
 
@@ -104,6 +105,14 @@ def paged(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_ta
   block_table [B, max_pages]; bias/mask [B, N, 1, max_pages * page_size]-broadcastable."""
   return _call(kernel, PAGED_OPERANDS,
                (query, key_pages, value_pages, key_value_seq_lengths, block_table), options)
+
+
+def paged_prefill(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_table,
+                  query_seq_lengths=None):
+  """kernel(query, key_pages, value_pages, kv_lengths, block_table, q_lengths) -> (out, lse),
+  sharding-aware: `paged` with T new tokens per sequence and their counts [B]."""
+  return _call(kernel, PAGED_PREFILL_OPERANDS,
+               (query, key_pages, value_pages, key_value_seq_lengths, block_table, query_seq_lengths))
 
 
 def manual_axes() -> tuple[str, ...]:

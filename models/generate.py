@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "checkpoint's dtype; float32 for the random model)")
   parser.add_argument("--no-stream", action="store_true",
                       help="show a progress bar and print the text at the end")
+  parser.add_argument("--requests", metavar="FILE", help="a JSONL file of prompts to serve through "
+                      "the continuous-batching engine (models/serving/demo.py says the format)")
+  parser.add_argument("--slots", type=int, default=8, help="with --requests: sequences at once")
   return parser.parse_args(argv)
 
 
@@ -192,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
   print(f"model:     {label}")
   print(f"attention: {attention}; {args.cache} KV cache; {jnp.dtype(model.dtype).name} on "
         f"{jax.devices()[0].device_kind}")
+  if args.requests:
+    from models.serving.demo import serve_requests
+    return serve_requests(args, model, tokenizer, eos_ids, max_new=max_new, printable=printable)
 
   if max_new == 0:
     print(f"prompt:    {prompt!r} ({len(prompt_ids)} tokens)\n\nno new tokens (--max-new-tokens 0)")

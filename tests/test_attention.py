@@ -180,7 +180,6 @@ def test_registry(rng):
 @pytest.mark.parametrize("options,match", [
     (dict(logits_soft_cap=3.0), "logits_soft_cap"),
     (dict(sinks=jnp.zeros(4)), "sinks"),
-    (dict(is_causal=True, causal_alignment="bottom_right"), "bottom_right"),
     (dict(return_residual=True), "return_residual"),
 ])
 def test_cudnn_refuses_what_jax_nn_lacks(options, match, rng):
@@ -343,3 +342,20 @@ def test_mosaic_dispatch_reasons():
   # Top-left and bottom-right agree at T == S without lengths: only the device decides.
   left = reason(q, kv, kv, mods=causal_tl)
   assert (left is None) if HAS_GPU_SM90 else ("GPU" in left or "sm_" in left)
+
+
+@pytest.mark.gpu
+def test_cudnn_bottom_right_through_an_explicit_mask(rng):
+  """jax.nn aligns causal masks top-left; bottom-right with T < S and lengths reaches cuDNN as
+  a mask, and rows with no visible key give zeros, as the kernels give."""
+  q = random_array(rng, (2, 64, 4, 64), jnp.bfloat16)
+  k = random_array(rng, (2, 128, 2, 64), jnp.bfloat16)
+  v = random_array(rng, (2, 128, 2, 64), jnp.bfloat16)
+  q_len, kv_len = jnp.array([64, 20], jnp.int32), jnp.array([128, 50], jnp.int32)
+  kwargs = dict(is_causal=True, causal_alignment="bottom_right", query_seq_lengths=q_len,
+                key_value_seq_lengths=kv_len)
+  out = jaxflash.attention(q, k, v, implementation="cudnn", **kwargs)
+  ref, _ = attention_f64(q, k, v, is_causal=True, q_lengths=np.asarray(q_len),
+                         kv_lengths=np.asarray(kv_len))
+  out = np.where(np.arange(64)[None, :, None, None] < np.asarray(q_len)[:, None, None, None], out, 0)
+  assert_close(out, ref, jnp.bfloat16)

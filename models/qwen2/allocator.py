@@ -1,7 +1,11 @@
-"""A host-side page allocator for the paged KV cache: a free list of page indices."""
+"""A host-side page allocator for the paged KV cache: a free list of page indices, with
+reference counts so that sequences can share pages (a common prefix), and pages kept for
+a prefix cache that are reclaimed least recently used first when the free list runs dry."""
 from __future__ import annotations
 
+import collections
 import math
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -13,7 +17,13 @@ class OutOfPagesError(RuntimeError):
 class PageAllocator:
   """Hands out pages of a pool of `num_pages` as sequences grow and takes them back when
   they finish. It also keeps the host copy of the block table [batch, max_pages] int32
-  (unassigned entries are 0: the kernels never read past a sequence's length)."""
+  (unassigned entries are 0: the kernels never read past a sequence's length).
+
+  Each page has a reference count (the rows holding it). A page marked with `keep` (it
+  holds a prefix cache's tokens) is not freed when its count drops to 0: it becomes idle,
+  still mappable by `share`, and is reclaimed, least recently idle first, only when the
+  free list is empty; `on_evict(page)` is then called so the cache forgets it.
+  """
 
   def __init__(self, num_pages: int, page_size: int, batch: int, max_pages: int):
     self.num_pages = num_pages
@@ -22,11 +32,46 @@ class PageAllocator:
     self._free = list(range(num_pages - 1, -1, -1))
     self.block_table = np.zeros((batch, max_pages), np.int32)
     self.pages_held = np.zeros((batch,), np.int32)
+    self.refcount = np.zeros((num_pages,), np.int32)
+    self._kept: set[int] = set()
+    self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+    self.on_evict: Callable[[int], None] | None = None
     self.changed = True  # the device copy of the block table is stale
 
   @property
   def free_pages(self) -> int:
+    """Pages on the free list (idle kept pages not counted)."""
     return len(self._free)
+
+  @property
+  def available_pages(self) -> int:
+    """Pages a sequence could get now: free ones plus idle kept ones (reclaimable)."""
+    return len(self._free) + len(self._idle)
+
+  def is_idle(self, page: int) -> bool:
+    return page in self._idle
+
+  def _take(self) -> int:
+    if self._free:
+      page = self._free.pop()
+    elif self._idle:
+      page, _ = self._idle.popitem(last=False)
+      self._kept.discard(page)
+      if self.on_evict is not None:
+        self.on_evict(page)
+    else:
+      raise OutOfPagesError(f"the page pool ({self.num_pages} pages of {self.page_size} tokens) "
+                            f"is exhausted; pass a larger num_pages")
+    self.refcount[page] = 1
+    return page
+
+  def _drop(self, page: int) -> None:
+    self.refcount[page] -= 1
+    if self.refcount[page] == 0:
+      if page in self._kept:
+        self._idle[page] = None  # most recently used: evicted last
+      else:
+        self._free.append(page)
 
   def reserve(self, row: int, num_tokens: int) -> None:
     """Makes sure sequence `row` owns enough pages for `num_tokens` tokens."""
@@ -35,17 +80,36 @@ class PageAllocator:
       raise ValueError(f"sequence {row} needs {need} pages, over the block table's "
                        f"{self.block_table.shape[1]}")
     while self.pages_held[row] < need:
-      if not self._free:
-        raise OutOfPagesError(f"the page pool ({self.num_pages} pages of {self.page_size} tokens) "
-                              f"is exhausted; pass a larger num_pages")
-      self.block_table[row, self.pages_held[row]] = self._free.pop()
+      self.block_table[row, self.pages_held[row]] = self._take()
       self.pages_held[row] += 1
       self.changed = True
 
+  def share(self, row: int, pages: Sequence[int]) -> None:
+    """Maps `pages` (held by other rows, or idle kept pages) as the first pages of sequence
+    `row`, which must hold none yet; each gains a reference."""
+    if self.pages_held[row]:
+      raise ValueError(f"sequence {row} already holds {self.pages_held[row]} pages")
+    if len(pages) > self.block_table.shape[1]:
+      raise ValueError(f"{len(pages)} pages are over the block table's {self.block_table.shape[1]}")
+    for j, page in enumerate(pages):
+      if self.refcount[page] == 0 and page not in self._idle:
+        raise ValueError(f"page {page} is free: only held or kept pages can be shared")
+      self._idle.pop(page, None)
+      self.refcount[page] += 1
+      self.block_table[row, j] = page
+    self.pages_held[row] = len(pages)
+    self.changed = True
+
+  def keep(self, page: int) -> None:
+    """Marks a held page as a prefix cache's: when its last holder lets go, it goes idle
+    instead of free."""
+    self._kept.add(page)
+
   def release(self, row: int) -> None:
-    """Returns every page of sequence `row` to the free list."""
+    """Drops sequence `row`'s reference to each of its pages (freed, or idle if kept)."""
     held = int(self.pages_held[row])
-    self._free.extend(int(p) for p in self.block_table[row, :held][::-1])
+    for page in self.block_table[row, :held][::-1]:
+      self._drop(int(page))
     self.block_table[row, :] = 0
     self.pages_held[row] = 0
     self.changed = True

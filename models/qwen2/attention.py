@@ -107,15 +107,11 @@ class Attention(nnx.Module):
       out = dot_product_attention(q, kv.keys, kv.values, impl=impl, is_causal=False,
                                   kv_lengths=total, block_table=kv.block_table)
       return out.reshape(batch, steps, -1)
-    keys, values = kv.keys, kv.values
-    if kv.paged:
-      # PAGED PREFILL: jaxflash has no paged prefill kernel yet, so a prompt chunk over a paged
-      # cache reads its rows' pages gathered into contiguous [B, capacity, K, H] copies. A
-      # paged prefill kernel replaces these two lines (block_table passed through instead).
-      keys = jaxflash.gather_pages(keys, kv.block_table)
-      values = jaxflash.gather_pages(values, kv.block_table)
-    out = dot_product_attention(q, keys, values, impl=impl, is_causal=True,
-                                query_lengths=new_lengths, kv_lengths=total)
+    # A prompt, or a chunk of one, over the cache: the prefill kernel over the contiguous
+    # cache, or the paged prefill kernel through the block table.
+    out = dot_product_attention(q, kv.keys, kv.values, impl=impl, is_causal=True,
+                                query_lengths=new_lengths, kv_lengths=total,
+                                block_table=kv.block_table)
     return out.reshape(batch, steps, -1)
 
   def _fused_qkv(self, x, norm: RMSNorm, rope, kv: LayerKV | None, new_lengths, plan: StepPlan,

@@ -1,0 +1,292 @@
+"""Serving a request trace: the continuous-batching engine (models/serving) against static
+batching with models.qwen2's `generate`, on Qwen2.5-1.5B shapes with random bf16 weights.
+
+The trace (fixed seed): Poisson arrivals at several rates; prompt and output lengths drawn
+from log-normal distributions with ShareGPT-like long tails (medians ~220 and ~100 tokens,
+clipped to [64, 1024] and [8, 256]). A second trace puts one 2048-token system prompt in
+front of 80% of the prompts. Every run replays the trace in real time: a request is
+submitted when its arrival time comes, and each token's time is when the host holds it.
+
+  * engine: chunked prefill (512-token step budget, chunks 128/256/512) + prefix caching;
+  * engine, no prefix cache; engine, no chunked prefill (whole prompts in one step);
+  * static: `generate` on the requests arrived when the previous batch finished (up to the
+    engine's slot count; the batch is filled up with one-token prompts so that its shape is
+    fixed), run until the batch's longest output (one decode step a call, so tokens stream
+    one by one as the engine's do).
+Reported: output tokens/s and requests/s (first arrival to last token), TTFT (arrival to
+first token) mean / p50 / p99, ITL (gaps between a request's tokens) p50 / p99, preemptions,
+prefix-cache hits, and the engine's compilations (done in a warm-up before the clock starts;
+static batching's prompt buckets are compiled the same way).
+
+  python bench/serve.py [--quick] [--out DIR]     # GPU: ~4 min on an H200
+  python bench/serve.py --smoke                   # tiny model on the CPU, a few requests
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+try:  # bench split by concept (main from 3c2146b on)
+  from bench import timing  # noqa: E402
+  from bench.cli import TimeLimit, begin_run, bench_arguments, log, smoke_out_dir  # noqa: E402
+  from bench.environment import env_metadata  # noqa: E402
+  from bench.report import RESULTS_DIR, format_value, value_with_pct, write_results  # noqa: E402
+  LIMIT = "time_limit_s"
+except ImportError:  # the single bench module before the split
+  from bench import common as timing  # noqa: E402
+  from bench.common import Budget as TimeLimit, DEFAULT_OUT as RESULTS_DIR  # noqa: E402
+  from bench.common import (begin_run, bench_arguments, env_metadata, format_value, log,  # noqa: E402
+                            smoke_out_dir, value_with_pct, write_results)
+  LIMIT = "budget_s"
+
+SEED = 2026_12_01
+SYSTEM_PROMPT = 2048
+SHARED_FRACTION = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """What a run is made of (full H200 run, or the CPU smoke run)."""
+
+  requests: int
+  rates: tuple[float, ...]  # requests per second (Poisson)
+  shared_rates: tuple[float, ...]  # rates of the shared-system-prompt trace
+  prompt_median: float
+  prompt_clip: tuple[int, int]
+  output_median: float
+  output_clip: tuple[int, int]
+  system_prompt: int
+  max_slots: int
+  token_budget: int
+  min_chunk: int
+  max_seq_len: int
+
+
+FULL = Shape(requests=48, rates=(6.0, 24.0, 96.0), shared_rates=(12.0, 48.0), prompt_median=220,
+             prompt_clip=(64, 1024), output_median=100, output_clip=(8, 256), system_prompt=SYSTEM_PROMPT,
+             max_slots=32, token_budget=512, min_chunk=128, max_seq_len=4096)
+QUICK = dataclasses.replace(FULL, requests=32, rates=(8.0, 64.0), shared_rates=(24.0,))
+SMOKE = Shape(requests=6, rates=(50.0,), shared_rates=(50.0,), prompt_median=20, prompt_clip=(4, 40),
+              output_median=4, output_clip=(2, 6), system_prompt=24, max_slots=4, token_budget=32,
+              min_chunk=16, max_seq_len=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+  arrival: float  # seconds after the trace's start
+  prompt: tuple[int, ...]
+  output_len: int
+
+
+def make_trace(shape: Shape, rate: float, vocab: int, *, shared: bool) -> list[TraceRequest]:
+  """The same lengths and tokens for every rate of a trace kind (only arrivals scale)."""
+  rng = np.random.default_rng(SEED + shared)
+  n = shape.requests
+  gaps = rng.exponential(1.0, n)
+  arrivals = np.cumsum(gaps) - gaps[0]  # the first request arrives at 0
+  prompt_lens = np.clip(rng.lognormal(np.log(shape.prompt_median), 0.9, n), *shape.prompt_clip).astype(int)
+  output_lens = np.clip(rng.lognormal(np.log(shape.output_median), 0.8, n), *shape.output_clip).astype(int)
+  system = rng.integers(0, vocab, shape.system_prompt).tolist()
+  with_system = rng.random(n) < SHARED_FRACTION
+  trace = []
+  for i in range(n):
+    prompt = rng.integers(0, vocab, prompt_lens[i]).tolist()
+    if shared and with_system[i]:
+      prompt = system + prompt
+    trace.append(TraceRequest(float(arrivals[i] / rate), tuple(prompt), int(output_lens[i])))
+  return trace
+
+
+# ----------------------------------------------------------------------------- replaying
+
+def replay_engine(engine, trace):
+  """Submits each request at its arrival time and steps the engine meanwhile.
+  -> per request (arrival, token times) in perf_counter seconds."""
+  start = time.perf_counter()
+  pending, handles = list(trace), []
+  while pending or not engine.idle:
+    now = time.perf_counter() - start
+    while pending and pending[0].arrival <= now:
+      r = pending.pop(0)
+      handles.append(engine.submit(r.prompt, r.output_len, stop_ids=(), arrival=start + r.arrival))
+    if not engine.step() and pending:
+      time.sleep(max(0.0, pending[0].arrival - (time.perf_counter() - start)))
+  return [(h.arrival, h.token_times) for h in handles]
+
+
+def replay_static(sampler, trace, batch: int, max_new: int):
+  """Static batching: the requests waiting when the previous batch ends (at most `batch`)
+  form the next one, run by `generate` until its longest output is done."""
+  start = time.perf_counter()
+  results, i = [], 0
+  while i < len(trace):
+    wait = trace[i].arrival - (time.perf_counter() - start)
+    if wait > 0:
+      time.sleep(wait)
+    now = time.perf_counter() - start
+    group = [r for r in trace[i:i + batch] if r.arrival <= now]
+    i += len(group)
+    times: list[float] = []
+    longest = max(r.output_len for r in group)
+
+    def stream(_step_tokens):
+      times.append(time.perf_counter())
+      return len(times) >= longest  # True stops the batch
+
+    # Always `batch` rows (one-token fillers): one compilation per prompt bucket, not per size.
+    prompts = [list(r.prompt) for r in group] + [[0]] * (batch - len(group))
+    sampler(prompts, max_new, eos_token_id=(), stream=stream)
+    results += [(start + r.arrival, times[:r.output_len]) for r in group]
+  return results
+
+
+def metrics(results) -> dict:
+  arrivals = [a for a, _ in results]
+  ends = [t[-1] for _, t in results if t]
+  ttft = np.array([t[0] - a for a, t in results if t])
+  itl = np.concatenate([np.diff(t) for _, t in results if len(t) > 1] or [np.zeros(0)])
+  tokens = sum(len(t) for _, t in results)
+  span = max(ends) - min(arrivals)
+  pct = lambda x, q: float(np.percentile(x, q) * 1e3) if len(x) else None
+  return dict(output_tok_s=tokens / span, requests_s=len(results) / span, span_s=span,
+              ttft_mean_ms=float(ttft.mean() * 1e3), ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99),
+              itl_p50_ms=pct(itl, 50), itl_p99_ms=pct(itl, 99), output_tokens=tokens)
+
+
+# ----------------------------------------------------------------------------- the systems
+
+ENGINES = {  # label -> Engine options
+    "engine": dict(chunked_prefill=True, prefix_caching=True),
+    "engine_no_prefix": dict(chunked_prefill=True, prefix_caching=False),
+    "engine_no_chunking": dict(chunked_prefill=False, prefix_caching=True),
+}
+LABELS = {"engine": "engine (chunked + prefix cache)", "engine_no_prefix": "engine, no prefix cache",
+          "engine_no_chunking": "engine, no chunked prefill", "static": "static batching (generate)"}
+
+
+def build(args, shape: Shape):
+  import jax.numpy as jnp
+
+  from models import qwen2
+  if args.smoke:
+    config = qwen2.Qwen2Config.tiny(max_position_embeddings=shape.max_seq_len)
+    return qwen2.random_model(config, seed=0, dtype="float32"), "xla"
+  config = qwen2.Qwen2Config.qwen2_5_1_5b(max_position_embeddings=shape.max_seq_len)
+  model = qwen2.random_model(config, seed=0, dtype=jnp.bfloat16)
+  return model, None
+
+
+def run_engine(label, model, impl, shape, trace):
+  from models.serving import Engine
+  engine = Engine(model, max_slots=shape.max_slots, page_size=16, max_seq_len=shape.max_seq_len,
+                  token_budget=shape.token_budget, prefill_lanes=2, min_chunk=shape.min_chunk,
+                  attention_impl=impl, **ENGINES[label])
+  start = time.perf_counter()
+  engine.warm_up()
+  # A few requests first (a prompt per chunk bucket, tokens the traces never use): the
+  # first real run of each step is slow (~80 ms on the CPU) even once compiled; not in the clock.
+  vocab = model.config.vocab_size
+  for bucket in engine.scheduler.buckets:
+    length = min(bucket, shape.max_seq_len - 2)
+    engine.submit([(7 * i + 1) % vocab for i in range(length)], 2, stop_ids=())
+  engine.run_until_idle()
+  engine.scheduler.stats.clear()
+  warm_s = time.perf_counter() - start
+  row = metrics(replay_engine(engine, trace))
+  stats = engine.stats
+  row.update(preemptions=stats.get("preemptions", 0), prefix_hit_tokens=stats.get("prefix_hit_tokens", 0),
+             prefill_tokens=stats.get("prefill_tokens", 0), steps=stats.get("steps", 0),
+             compilations=engine.compilations, warm_up_s=warm_s)
+  return row
+
+
+def run_static(model, impl, shape, trace):
+  from models.qwen2 import Sampler
+  from models.qwen2.sampler import prompt_bucket
+  max_new = shape.output_clip[1]
+  sampler = Sampler(model, cache="paged", attention_impl=impl or "jaxflash", steps_per_call=1)
+  start = time.perf_counter()
+  # A batch's prompts are padded to the bucket of its longest: compile every bucket the
+  # trace can produce (a two-step run each), outside the clock.
+  buckets = sorted({prompt_bucket(len(r.prompt)) for r in trace})
+  for bucket in buckets:
+    steps = iter([False])
+    sampler([[0] * bucket] + [[0]] * (shape.max_slots - 1), max_new, eos_token_id=(),
+            stream=lambda _: next(steps, True))
+  warm_s = time.perf_counter() - start
+  row = metrics(replay_static(sampler, trace, shape.max_slots, max_new))
+  row.update(compilations=2 * len(buckets), warm_up_s=warm_s)
+  return row
+
+
+def columns():
+  return [("trace", "trace"), ("rate", "rate (req/s)"), ("system", "system", lambda s: LABELS[s]),
+          ("output_tok_s", "output tok/s", "{:.0f}"), ("requests_s", "req/s", "{:.2f}"),
+          ("ttft_mean_ms", "TTFT mean ms", "{:.0f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+          ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
+          ("itl_p99_ms", "ITL p99 ms", "{:.1f}"), ("preemptions", "preempted"),
+          ("prefix_hit_tokens", "prefix-hit tokens"), ("compilations", "compiles")]
+
+
+def main(argv=None):
+  p = bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", **{LIMIT: 220.0},
+                             quick="fewer rates and requests")
+  args = p.parse_args(argv)
+  budget = TimeLimit(getattr(args, LIMIT))
+  shape = SMOKE if args.smoke else (QUICK if args.quick else FULL)
+  out_dir = smoke_out_dir("serve") if args.smoke else Path(args.out or RESULTS_DIR)
+  meta = env_metadata()
+  log(f"serve benchmark on {meta['device']} ({meta['backend']})")
+  model, impl = build(args, shape)
+  meta.update(title="Serving a Poisson request trace: continuous batching vs static batching",
+              model="Qwen2.5-1.5B shapes, random bf16 weights" if not args.smoke else "tiny, float32",
+              shape=dataclasses.asdict(shape), smoke=args.smoke, seed=SEED,
+              timing="wall clock on the host: a token counts when the host holds it")
+  # Most telling first, so that a run cut short by its budget still has them.
+  cells = [("sharegpt", rate, system) for rate in shape.rates for system in ("engine", "static")]
+  cells += [("shared_system_prompt", rate, system) for rate in shape.shared_rates
+            for system in ("engine", "engine_no_prefix", "static")]
+  cells += [("sharegpt", rate, system) for rate in shape.rates
+            for system in ("engine_no_chunking", "engine_no_prefix")]
+  rows = []
+  notes = ["compiles: the compilations a run's warm-up added (engines and samplers of one model "
+           "share their compiled steps, so later runs reuse the earlier ones: 0)",
+           "static batching fills each batch up to the slot count with one-token prompts and runs "
+           "it to its longest output, one decode step a call"]
+  vocab = model.config.vocab_size
+  for trace_kind, rate, system in cells:
+    if budget.exhausted():
+      notes.append(f"{trace_kind} {rate}/s {system}: skipped (time budget)")
+      continue
+    trace = make_trace(shape, rate, vocab, shared=trace_kind != "sharegpt")
+    log(f"[{budget.elapsed():6.1f}s] {trace_kind} at {rate}/s: {LABELS[system]}")
+    if system == "static":
+      row, err = timing.try_call(run_static, model, impl, shape, trace)
+    else:
+      row, err = timing.try_call(run_engine, system, model, impl, shape, trace)
+    if err:
+      notes.append(f"{trace_kind} {rate}/s {system}: failed: {err[:300]}")
+      log(f"  failed: {err}")
+      continue
+    rows.append(dict(trace=trace_kind, rate=rate, system=system, **row))
+    log("  " + ", ".join(f"{k} {format_value(v)}" for k, v in row.items()))
+    write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes)
+  plots = [{"suffix": f"_{kind}_{metric}", "x": "rate", "y": metric, "series": "system", "logx": True,
+            "labels": LABELS, "where": lambda r, k=kind: r["trace"] == k, "xlabel": "arrival rate (req/s)",
+            "ylabel": label, "title": f"{label} against load ({kind} trace)"}
+           for kind in ("sharegpt", "shared_system_prompt")
+           for metric, label in (("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"),
+                                 ("output_tok_s", "output tokens/s"))]
+  paths = write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes, plot=plots)
+  log(f"wrote {paths['md']}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,212 @@
+"""The host side of continuous batching: which sequences run in the next step, and how much.
+
+Each step (as vLLM's chunked prefill schedules it, "Efficient Memory Management for Large
+Language Model Serving with PagedAttention" for the pages):
+  1. admit waiting requests, first come first served, into free slots while the pool can
+     hold their prompts (after mapping the pages of their longest cached prefix);
+  2. every running sequence with one token left to feed decodes it;
+  3. the rest of the step's token budget goes to the other running sequences, oldest first,
+     as prefill chunks (at most `prefill_lanes` of them).
+A sequence that needs a page when none is free or idle makes the newest running sequence
+give all of its pages back (preemption); that one waits at the head of the queue and is
+recomputed from its tokens when readmitted (its prompt and the tokens it had produced), so
+its output does not change.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from models.qwen2.allocator import OutOfPagesError, PageAllocator
+from models.serving.prefix_cache import PrefixCache, page_keys
+from models.serving.request import RequestHandle
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+  """A request's state: `tokens` (its prompt, then its new tokens), of which the first
+  `cached` are in its pages; it holds pool row `slot` while running."""
+
+  handle: RequestHandle
+  tokens: list[int]
+  slot: int | None = None
+  cached: int = 0
+  keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of its full pages so far
+  registered: int = 0  # full pages offered to the prefix cache
+
+  @property
+  def pending(self) -> int:
+    """Tokens still to feed; 1 for a decoding sequence (its last new token)."""
+    return len(self.tokens) - self.cached
+
+  @property
+  def generated(self) -> int:
+    return len(self.tokens) - len(self.handle.request.prompt)
+
+
+@dataclasses.dataclass
+class StepPlan:
+  decodes: list[Sequence]  # one token each
+  prefills: list[tuple[Sequence, int]]  # (sequence, tokens of its chunk)
+  chunk_bucket: int  # T of the step's prefill rows (0: no prefill)
+
+
+class Scheduler:
+  """Slots, the waiting queue, page reservation and preemption, prefix cache bookkeeping."""
+
+  def __init__(self, allocator: PageAllocator, prefix_cache: PrefixCache | None, *, max_slots: int,
+               token_budget: int, prefill_lanes: int, chunked_prefill: bool, buckets: tuple[int, ...],
+               max_seq_len: int):
+    self.allocator = allocator
+    self.prefix_cache = prefix_cache
+    self.page_size = allocator.page_size
+    self.slots: list[Sequence | None] = [None] * max_slots
+    self.waiting: collections.deque[Sequence] = collections.deque()
+    self.token_budget = token_budget
+    self.prefill_lanes = prefill_lanes
+    self.chunked_prefill = chunked_prefill
+    self.buckets = buckets
+    self.max_seq_len = max_seq_len
+    self.stats = collections.Counter()
+
+  def add(self, seq: Sequence) -> None:
+    self.waiting.append(seq)
+
+  @property
+  def running(self) -> list[Sequence]:
+    return sorted((s for s in self.slots if s is not None), key=lambda s: s.handle.id)
+
+  def has_work(self) -> bool:
+    return bool(self.waiting) or any(s is not None for s in self.slots)
+
+  # ----------------------------------------------------------------------------- admission
+
+  def _full_page_keys(self, seq: Sequence, num_pages: int) -> list[bytes]:
+    if len(seq.keys) < num_pages:
+      seq.keys += page_keys(seq.tokens[:num_pages * self.page_size], self.page_size,
+                            seq.keys[-1] if seq.keys else b"", start=len(seq.keys))
+    return seq.keys[:num_pages]
+
+  def _admit(self) -> None:
+    while self.waiting and None in self.slots:
+      seq = self.waiting[0]
+      hits = []
+      if self.prefix_cache is not None:
+        # The last token is always fed: its logits give the next token.
+        hits = self.prefix_cache.lookup(self._full_page_keys(seq, (len(seq.tokens) - 1) // self.page_size))
+      need = math.ceil(len(seq.tokens) / self.page_size) - len(hits)
+      available = self.allocator.available_pages - sum(self.allocator.is_idle(p) for p in hits)
+      if need > available:
+        return  # first come first served: the head waits for pages
+      self.waiting.popleft()
+      seq.slot = self.slots.index(None)
+      self.slots[seq.slot] = seq
+      self.allocator.share(seq.slot, hits)
+      seq.registered = len(hits)
+      seq.cached = len(hits) * self.page_size
+      seq.handle.prefix_hit_tokens += seq.cached
+      self.stats["prefix_hit_tokens"] += seq.cached
+
+  def _preempt(self, seq: Sequence) -> None:
+    self._register(seq)  # its computed pages stay findable: recomputing may hit them
+    self.allocator.release(seq.slot)
+    self.slots[seq.slot] = None
+    seq.slot, seq.cached, seq.registered = None, 0, 0
+    self.waiting.appendleft(seq)
+    seq.handle.preemptions += 1
+    self.stats["preemptions"] += 1
+
+  def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+    """Pages for `num_tokens` tokens of `seq`, preempting the newest running sequences
+    while the pool has none; False when `seq` itself was the one preempted."""
+    while True:
+      try:
+        self.allocator.reserve(seq.slot, num_tokens)
+        return True
+      except OutOfPagesError:
+        victim = self.running[-1]
+        self._preempt(victim)
+        if victim is seq:
+          return False
+
+  # ----------------------------------------------------------------------------- one step
+
+  def schedule(self) -> StepPlan | None:
+    """The next step's work (None: nothing to run)."""
+    self._admit()
+    # (A sequence preempted by an older one's growth in this loop has no slot any more.)
+    decodes = [s for s in self.running
+               if s.slot is not None and s.pending == 1 and self._grow(s, s.cached + 1)]
+    budget = self.token_budget - len(decodes)
+    prefills: list[tuple[Sequence, int]] = []
+    largest = self.buckets[-1]
+    for seq in self.running:
+      if len(prefills) == self.prefill_lanes or budget <= 0:
+        break
+      if seq.slot is None or seq.pending <= 1:
+        continue
+      chunk = min(seq.pending, largest)
+      if self.chunked_prefill:
+        chunk = min(chunk, budget)
+      elif prefills and chunk > budget:
+        break  # whole prompts: one past the budget runs only alone
+      if self._grow(seq, seq.cached + chunk):
+        prefills.append((seq, chunk))
+        budget -= chunk
+    # A sequence preempted after it was planned drops out of the step.
+    decodes = [s for s in decodes if s.slot is not None]
+    prefills = [(s, c) for s, c in prefills if s.slot is not None]
+    if not decodes and not prefills:
+      return None
+    longest = max((c for _, c in prefills), default=0)
+    bucket = min(b for b in self.buckets if b >= longest) if prefills else 0
+    return StepPlan(decodes, prefills, bucket)
+
+  def commit(self, plan: StepPlan, prefill_tokens, decode_tokens, now: float) -> None:
+    """Books a step's results: chunk c of a prefill row is now cached; a row that fed its
+    last pending token appends the token it drew (prefill_tokens [lanes], decode_tokens
+    [decodes], host ints)."""
+    self.stats["steps"] += 1
+    for (seq, chunk), token in zip(plan.prefills, prefill_tokens):
+      seq.cached += chunk
+      seq.handle.computed_tokens += chunk
+      self.stats["prefill_tokens"] += chunk
+      if seq.pending == 0:
+        self._emit(seq, int(token), now)
+    for seq, token in zip(plan.decodes, decode_tokens):
+      seq.cached += 1
+      seq.handle.computed_tokens += 1
+      self.stats["decode_tokens"] += 1
+      self._emit(seq, int(token), now)
+    for seq in self.running:
+      self._register(seq)
+
+  def _emit(self, seq: Sequence, token: int, now: float) -> None:
+    seq.tokens.append(token)
+    seq.handle._push(token, now)
+    request = seq.handle.request
+    if token in request.stop_ids:
+      self.finish(seq, "stop")
+    elif seq.generated >= request.max_new_tokens:
+      self.finish(seq, "length")
+    elif len(seq.tokens) > self.max_seq_len:
+      self.finish(seq, "window")  # its next token would have no place in the cache
+
+  def finish(self, seq: Sequence, reason: str) -> None:
+    seq.handle.finish_reason = reason
+    if seq.slot is not None:
+      self._register(seq)
+      self.allocator.release(seq.slot)  # pages back at once (kept ones go idle)
+      self.slots[seq.slot] = None
+      seq.slot = None
+
+  def _register(self, seq: Sequence) -> None:
+    """Offers the sequence's newly full, computed pages to the prefix cache."""
+    if self.prefix_cache is None or seq.slot is None:
+      return
+    full = seq.cached // self.page_size
+    keys = self._full_page_keys(seq, full)
+    for j in range(seq.registered, full):
+      self.prefix_cache.insert(keys[j], int(self.allocator.block_table[seq.slot, j]))
+    seq.registered = max(seq.registered, full)

@@ -1,0 +1,320 @@
+"""models.serving: the continuous-batching engine against `generate` run on each request
+alone (greedy, float32, the tiny checkpoint of tests/qwen2_fixtures.py), the model call it
+needs (a chunk of new tokens after the cached ones), the allocator's reference counts and
+the prefix cache, seeded sampling, and refused requests.
+
+Attention runs on jaxflash's plain-JAX path ("xla") and the projections on XLA's dots
+(skinny_decode off) except where the kernels are the point: they are interpreted on a CPU.
+Prompt lengths stay in a few of generate's buckets so its reference compiles stay few.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models.qwen2 as qwen2
+from models.qwen2.allocator import OutOfPagesError, PageAllocator
+from models.serving import Engine, PrefixCache, page_keys
+from models.serving.sampling import row_keys, sample_rows
+
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from tests import qwen2_fixtures
+  model = qwen2.from_pretrained(qwen2_fixtures.hf_checkpoint(tied=True)[0])
+  model.skinny_decode = False  # XLA's dots: interpreted kernels would only slow the CPU down
+  return model
+
+
+@pytest.fixture(autouse=True)
+def _full_precision():
+  """On a GPU, XLA's float32 dots default to TF32, enough to flip a greedy token between a
+  chunked and a whole prefill; on the CPU this changes nothing."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _prompts(lengths, seed):
+  from tests import qwen2_fixtures
+  return qwen2_fixtures.prompts(lengths, seed=seed)
+
+
+@functools.cache
+def _generate_alone(model, prompt: tuple[int, ...], new: int) -> list[int]:
+  return qwen2.generate(model, [list(prompt)], new, attention_impl="xla", eos_token_id=(),
+                        page_size=8)[0]
+
+
+def _engine(model, **options):
+  options = dict(dict(max_slots=3, page_size=8, max_seq_len=128, token_budget=16, prefill_lanes=2,
+                      attention_impl="xla"), **options)
+  return Engine(model, **options)
+
+
+def _check_alone(model, handles, new=NEW):
+  for handle in handles:
+    assert handle.done
+    assert handle.tokens == _generate_alone(model, handle.request.prompt, new), handle
+
+
+# ----------------------------------------------------------------------------- the model call
+
+@pytest.mark.parametrize("kind, impl", [("paged", None), ("paged", "xla"), ("contiguous", None)])
+def test_chunks_after_the_cache_give_the_whole_prompts_logits(model, kind, impl):
+  """Rows fed in ragged chunks (T_b new tokens after the cached ones) give the logits of the
+  whole sequence in one call without a cache: the paged path runs the paged prefill kernel."""
+  ids = np.asarray(_prompts((46,), seed=1)[0]).reshape(2, 23)
+  full = np.asarray(model(jnp.asarray(ids), attention_impl="xla"))
+  if kind == "paged":
+    cache = qwen2.PagedCache.create(model.config, 2, 64, jnp.float32, page_size=8)
+    table = np.random.default_rng(0).permutation(16).reshape(2, 8)
+    cache = dataclasses.replace(cache, block_table=jnp.asarray(table, jnp.int32))
+  else:
+    cache = qwen2.ContiguousCache.create(model.config, 2, 64, jnp.float32)
+  got, done = [[], []], np.zeros(2, int)
+  for chunk in ([10, 1], [12, 16], [1, 6]):
+    tokens = np.zeros((2, 16), np.int32)
+    for b in range(2):
+      tokens[b, :chunk[b]] = ids[b, done[b]:done[b] + chunk[b]]
+    logits, cache = model(jnp.asarray(tokens), None, cache, lengths=jnp.asarray(chunk, jnp.int32),
+                          attention_impl=impl)
+    for b in range(2):
+      got[b].append(np.asarray(logits[b, :chunk[b]]))
+    done += chunk
+  assert np.asarray(cache.lengths).tolist() == [23, 23]
+  for b in range(2):
+    np.testing.assert_allclose(np.concatenate(got[b]), full[b], atol=2e-4, rtol=2e-4)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+def test_requests_arriving_at_different_steps_match_generate_alone(model):
+  """Mixed prompt lengths (prompts longer than the 16-token budget are chunked), requests
+  submitted while others decode, more requests than slots."""
+  prompts = _prompts((5, 23, 40, 17, 30, 9), seed=3)
+  engine = _engine(model)
+  handles = [engine.submit(p, NEW, stop_ids=()) for p in prompts[:2]]
+  engine.step()
+  engine.step()
+  handles.append(engine.submit(prompts[2], NEW, stop_ids=()))
+  for _ in range(3):
+    engine.step()
+  handles += [engine.submit(p, NEW, stop_ids=()) for p in prompts[3:]]
+  engine.run_until_idle()
+  assert engine.idle
+  _check_alone(model, handles)
+  assert engine.stats["prefill_tokens"] > 0 and engine.stats.get("preemptions", 0) == 0
+  # One step per chunk bucket used (16) plus the decode-only step, at most.
+  assert engine.compilations <= 2
+  assert engine.allocator.available_pages == engine.allocator.num_pages  # every page back
+
+
+def test_streaming_handle_and_whole_prompts(model):
+  """Iterating a handle steps the engine and yields each token as it comes; with
+  chunked_prefill off a prompt is fed in one piece (one prefill row of a larger bucket)."""
+  prompts = _prompts((23, 17), seed=4)
+  engine = _engine(model, chunked_prefill=False)
+  first, second = (engine.submit(p, NEW, stop_ids=()) for p in prompts)
+  streamed = []
+  for token in first:
+    streamed.append(token)
+    assert first.tokens == streamed  # handed over as soon as produced
+  assert streamed == first.tokens and first.finish_reason == "length"
+  engine.run_until_idle()
+  _check_alone(model, [first, second])
+  # Each prompt in one piece: the 23-token one alone (over the 16-token budget), the other next.
+  assert engine.stats["prefill_tokens"] == 23 + 17 and engine.stats["steps"] == NEW + 1
+
+
+def test_prefix_sharing_maps_cached_pages_instead_of_recomputing(model):
+  """Three requests share a 26-token prefix (three full 8-token pages): once the first has
+  computed it, the others map its pages and compute only the rest."""
+  shared = _prompts((26,), seed=5)[0]
+  tails = _prompts((3, 6, 1), seed=6)
+  prompts = [shared + t for t in tails]
+  engine = _engine(model)
+  first = engine.submit(prompts[0], NEW, stop_ids=())
+  first.result()
+  later = [engine.submit(p, NEW, stop_ids=()) for p in prompts[1:]]
+  engine.run_until_idle()
+  _check_alone(model, [first, *later])
+  assert first.prefix_hit_tokens == 0
+  assert first.computed_tokens == len(prompts[0]) + NEW - 1
+  for handle in later:
+    assert handle.prefix_hit_tokens == 24
+    assert handle.computed_tokens == len(handle.request.prompt) - 24 + NEW - 1
+  # A prompt that is all cached pages still computes its last token (for its logits).
+  again = engine.submit(shared[:24], NEW, stop_ids=())
+  engine.run_until_idle()
+  assert again.prefix_hit_tokens == 16 and again.computed_tokens == 8 + NEW - 1
+  _check_alone(model, [again])
+
+
+def test_prefix_caching_off_recomputes(model):
+  shared = _prompts((26,), seed=5)[0]
+  engine = _engine(model, prefix_caching=False)
+  handles = [engine.submit(shared + t, NEW, stop_ids=()) for t in _prompts((3, 6), seed=6)]
+  engine.run_until_idle()
+  assert [h.prefix_hit_tokens for h in handles] == [0, 0]
+  _check_alone(model, handles)
+
+
+def test_preemption_recomputes_without_changing_outputs(model):
+  """A pool of 12 8-token pages for three sequences growing to ~40 tokens each: the newest
+  is preempted (its pages freed), then recomputed from its prompt and tokens so far."""
+  prompts = _prompts((30, 25, 31, 20), seed=7)
+  new = 12
+  engine = _engine(model, num_pages=12)
+  handles = [engine.submit(p, new, stop_ids=()) for p in prompts]
+  engine.run_until_idle()
+  assert engine.stats["preemptions"] > 0
+  assert any(h.preemptions for h in handles)
+  _check_alone(model, handles, new)
+  assert engine.allocator.available_pages == 12
+
+
+def test_sampling_is_reproducible_from_the_seed(model):
+  """A request's sampled tokens depend on its seed only: the same alone, in company, after
+  preemption; another seed differs; top_k=1 is greedy."""
+  prompts = _prompts((20, 27, 30), seed=8)
+  options = dict(temperature=1.3, top_p=0.95, top_k=50, stop_ids=())
+
+  def run(engine, seeds, prompts=prompts):
+    handles = [engine.submit(p, 10, seed=s, **options) for p, s in zip(prompts, seeds)]
+    engine.run_until_idle()
+    return [h.tokens for h in handles]
+
+  alone = run(_engine(model, max_slots=1), [1])[0]
+  crowded = _engine(model, num_pages=10)
+  together = run(crowded, [1, 2, 3])
+  assert crowded.stats["preemptions"] > 0
+  assert together[0] == alone
+  assert run(_engine(model, token_budget=32), [1, 2, 3]) == together
+  assert run(_engine(model), [5, 6], prompts=prompts[:1] * 2) == [
+      run(_engine(model), [s], prompts=prompts[:1])[0] for s in (5, 6)]
+  assert len({tuple(t) for t in run(_engine(model), [5, 6], prompts=prompts[:1] * 2)}) == 2
+  top1 = _engine(model).submit(prompts[0], NEW, temperature=2.0, top_k=1, seed=4, stop_ids=())
+  assert top1.result() == _generate_alone(model, tuple(prompts[0]), NEW)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (dict(prompt=[]), ValueError, "prompt is empty"),
+    (dict(prompt=list(range(129))), ValueError, "over the window of 128"),
+    (dict(prompt="hello"), TypeError, "prompt must be a sequence of token ids"),
+    (dict(prompt=[1, 300]), ValueError, r"token ids must lie in \[0, 256\)"),
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
+    (dict(stop_ids="7"), TypeError, "stop_ids must be None, an int or a sequence of ints"),
+    (dict(stop_ids=[1.5]), TypeError, "stop_ids must hold ints"),
+    (dict(temperature=-1.0), ValueError, "temperature must be a number >= 0"),
+    (dict(top_p=0.0), ValueError, r"top_p must be None or in \(0, 1\]"),
+    (dict(max_new_tokens=90), ValueError, "needs more than the pool's 12 pages"),
+])
+def test_bad_requests_are_refused_without_disturbing_others(model, call, error, message):
+  engine = _engine(model, num_pages=12)
+  good = engine.submit(_prompts((9,), seed=9)[0], NEW, stop_ids=())
+  engine.step()
+  args = {"prompt": list(range(1, 41)), "max_new_tokens": NEW, **call}
+  with pytest.raises(error, match=message):
+    engine.submit(args.pop("prompt"), args.pop("max_new_tokens"), **args)
+  engine.run_until_idle()
+  _check_alone(model, [good])
+
+
+def test_stop_ids_and_zero_new_tokens(model):
+  prompt = _prompts((9,), seed=9)[0]
+  greedy = _generate_alone(model, tuple(prompt), NEW)
+  engine = _engine(model)
+  stopped = engine.submit(prompt, NEW, stop_ids=greedy[2])
+  nothing = engine.submit(prompt, 0)
+  assert nothing.done and nothing.tokens == []
+  engine.run_until_idle()
+  assert stopped.tokens == greedy[:greedy.index(greedy[2]) + 1] and stopped.finish_reason == "stop"
+
+
+def test_engine_on_the_kernels(model):
+  """attention_impl None: the paged prefill kernel for chunks, paged decode for decodes
+  (interpreted here), the same tokens as generate."""
+  prompts = _prompts((20, 11), seed=10)
+  engine = _engine(model, attention_impl=None, max_slots=2)
+  handles = [engine.submit(p, 4, stop_ids=()) for p in prompts]
+  engine.run_until_idle()
+  _check_alone(model, handles, 4)
+
+
+# ----------------------------------------------------------------------------- host parts
+
+def test_allocator_reference_counts_and_lru_eviction():
+  allocator = PageAllocator(num_pages=4, page_size=8, batch=3, max_pages=3)
+  evicted = []
+  allocator.on_evict = evicted.append
+  allocator.reserve(0, 16)  # pages 0, 1
+  allocator.keep(0)
+  allocator.keep(1)
+  allocator.share(1, [0, 1])
+  assert allocator.refcount.tolist() == [2, 2, 0, 0] and allocator.block_table[1].tolist() == [0, 1, 0]
+  allocator.release(0)
+  assert allocator.available_pages == 2 and allocator.refcount.tolist() == [1, 1, 0, 0]
+  allocator.release(1)  # kept pages go idle (1 first, then 0: 1 is the least recently idle)
+  assert allocator.free_pages == 2 and allocator.available_pages == 4
+  allocator.share(2, [0])  # an idle page mapped again leaves the idle list
+  allocator.reserve(2, 24)  # pages 2, 3 from the free list
+  with pytest.raises(OutOfPagesError):
+    allocator.reserve(0, 24)  # takes idle page 1 (evicted), then none is left
+  assert evicted == [1]
+  with pytest.raises(ValueError, match="already holds"):
+    allocator.share(2, [0])
+  allocator.release(0)  # page 1, no longer kept, is free
+  with pytest.raises(ValueError, match="is free"):
+    allocator.share(0, [1])
+
+
+def test_prefix_cache_keys_chain_and_eviction():
+  tokens = list(range(20))
+  keys = page_keys(tokens, 8)
+  assert len(keys) == 2 and keys == page_keys(tokens[:16], 8)
+  assert page_keys([0] * 8 + tokens[8:16], 8)[1] != keys[1]  # a key stands for its whole prefix
+  assert page_keys(tokens, 8, keys[0], start=1) == keys[1:]
+  allocator = PageAllocator(num_pages=2, page_size=8, batch=2, max_pages=2)
+  cache = PrefixCache(allocator)
+  allocator.reserve(0, 16)
+  cache.insert(keys[0], 0)
+  cache.insert(keys[1], 1)
+  cache.insert(keys[1], 0)  # a second page for a cached key stays private
+  assert cache.lookup(keys) == [0, 1] and cache.lookup(keys[1:]) == [1]
+  allocator.release(0)
+  allocator.reserve(1, 8)  # reclaims the least recently idle page: the cache forgets it
+  assert len(cache) == 1
+
+
+def test_sample_rows_per_row_settings():
+  logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 50)), jnp.float32)
+  keys = row_keys(jnp.asarray([1, 1, 2, 3], jnp.uint32), jnp.asarray([0, 0, 0, 5], jnp.int32))
+  temperature = jnp.asarray([0.0, 1.0, 1.0, 1.0])
+  out = sample_rows(logits, keys, temperature, jnp.asarray([0, 1, 0, 3]), jnp.asarray([1.0, 1.0, 1e-6, 1.0]))
+  best = np.argmax(np.asarray(logits), axis=-1)
+  assert out[0] == best[0] and out[1] == best[1] and out[2] == best[2]  # greedy, top-1, tiny top-p
+  assert out[3] in np.argsort(-np.asarray(logits[3]))[:3]
+  again = sample_rows(logits, keys, temperature, jnp.asarray([0, 1, 0, 3]), jnp.asarray([1.0, 1.0, 1e-6, 1.0]))
+  np.testing.assert_array_equal(out, again)
+
+
+def test_generate_command_serves_a_requests_file(tmp_path, capsys):
+  """`python -m models.generate --requests FILE` (random demo model, plain-JAX attention):
+  every request runs, a bad one is refused, and the summary is printed."""
+  from models import generate as command
+  path = tmp_path / "requests.jsonl"
+  path.write_text('"Hello"\n{"prompt": "The sky is", "max_new_tokens": 2, "seed": 3}\n'
+                  '{"prompt": "x", "max_new_tokens": -1}\n')
+  assert command.main(["--requests", str(path), "--max-new-tokens", "3", "--attention", "xla"]) == 0
+  out = capsys.readouterr().out
+  assert "request 3 refused: max_new_tokens must be >= 0" in out
+  assert "2 requests, 5 new tokens" in out and "time to first token: p50" in out
