@@ -210,7 +210,7 @@ def run_static(model, impl, shape, trace):
   from models.qwen2 import Sampler
   from models.qwen2.sampler import prompt_bucket
   max_new = shape.output_clip[1]
-  sampler = Sampler(model, cache="paged", attention_impl=impl or "jaxflash", steps_per_call=1)
+  sampler = Sampler(model, cache="paged", attention_impl=impl, steps_per_call=1)
   start = time.perf_counter()
   # A batch's prompts are padded to the bucket of its longest: compile every bucket the
   # trace can produce (a two-step run each), outside the clock.

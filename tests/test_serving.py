@@ -3,8 +3,8 @@ alone (greedy, float32, the tiny checkpoint of tests/qwen2_fixtures.py), the mod
 needs (a chunk of new tokens after the cached ones), the allocator's reference counts and
 the prefix cache, seeded sampling, and refused requests.
 
-Attention runs on jaxflash's plain-JAX path ("xla") and the projections on XLA's dots
-(skinny_decode off) except where the kernels are the point: they are interpreted on a CPU.
+Attention runs on jaxflash's plain-JAX path ("xla") except where the kernels are the point
+(they are interpreted on a CPU); decode steps run the model's own StepPlan, as generate's do.
 Prompt lengths stay in a few of generate's buckets so its reference compiles stay few.
 """
 from __future__ import annotations
@@ -30,9 +30,7 @@ def model():
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   from tests import qwen2_fixtures
-  model = qwen2.from_pretrained(qwen2_fixtures.hf_checkpoint(tied=True)[0])
-  model.skinny_decode = False  # XLA's dots: interpreted kernels would only slow the CPU down
-  return model
+  return qwen2.from_pretrained(qwen2_fixtures.hf_checkpoint(tied=True)[0])
 
 
 @pytest.fixture(autouse=True)

@@ -29,10 +29,12 @@ from flax import nnx
 from models.qwen2.allocator import PageAllocator
 from models.qwen2.cache import PagedCache
 from models.qwen2.model import Qwen2ForCausalLM
+from models.qwen2.plan import DecodeWorkspace
+from models.qwen2.sampler import check_attention_impl
 from models.serving.prefix_cache import PrefixCache
 from models.serving.request import RequestHandle, make_request
 from models.serving.sampling import row_keys, sample_rows
-from models.serving.scheduler import Scheduler, Sequence, StepPlan
+from models.serving.scheduler import ScheduledStep, Scheduler, Sequence
 
 MIN_BUCKET = 16
 
@@ -43,13 +45,15 @@ def step_function(graphdef, treedef):
   traces, i.e. compilations). The structure is bound once, as in models.qwen2.sampler."""
   traces = [0]
 
-  def step(params, cache, decode_tokens, decode_lengths, decode_cached, prefill, sampling, *,
-           attention_impl):
-    """cache: the PagedCache (block table [slots, max_pages]), donated; decode_* [slots]
+  def step(params, cache, workspace, decode_tokens, decode_lengths, decode_cached, prefill,
+           sampling, *, attention_impl):
+    """cache: the PagedCache (block table [slots, max_pages]) and workspace: the decode
+    kernels' scratch (models.qwen2.DecodeWorkspace), both donated; decode_* [slots]
     (lengths 1 for a decoding row, 0 for any other); prefill None or (tokens [lanes, T],
     lengths [lanes], cached [lanes], block table [lanes, max_pages]); sampling (seeds,
     token index, temperature, top_k, top_p), one per row, prefill rows first.
-    -> (tokens [lanes + slots] int32, cache)."""
+    -> (tokens [lanes + slots] int32, cache, workspace). Each model call is the model's
+    own with a cache: it picks its StepPlan (models/qwen2/plan.py) from the call's shape."""
     traces[0] += 1
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     logits = []
@@ -57,24 +61,26 @@ def step_function(graphdef, treedef):
       tokens, lengths, cached, table = prefill
       view = dataclasses.replace(cache, block_table=table, lengths=cached)  # same pools
       with jax.named_scope("prefill_chunks"):
-        hidden, view = model.hidden_states(tokens, None, view, lengths=lengths,
-                                           attention_impl=attention_impl)
+        hidden, view, workspace = model.hidden_states(tokens, None, view, lengths=lengths,
+                                                      attention_impl=attention_impl,
+                                                      workspace=workspace)
       last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]  # [lanes, hidden]
       logits.append(model.logits(last))
-      cache = dataclasses.replace(cache, key_pages=view.key_pages, value_pages=view.value_pages,
-                                  counters=view.counters)
+      cache = dataclasses.replace(cache, key_pages=view.key_pages, value_pages=view.value_pages)
     cache = dataclasses.replace(cache, lengths=decode_cached)
     with jax.named_scope("decode"):
-      hidden, cache = model.hidden_states(decode_tokens[:, None], None, cache, lengths=decode_lengths,
-                                          attention_impl=attention_impl)
+      hidden, cache, workspace = model.hidden_states(
+          decode_tokens[:, None], None, cache, lengths=decode_lengths,
+          attention_impl=attention_impl, workspace=workspace)
     logits.append(model.logits(hidden[:, 0]))
     seeds, index, temperature, top_k, top_p = sampling
     with jax.named_scope("sample"):
       next_tokens = sample_rows(jnp.concatenate(logits), row_keys(seeds, index), temperature,
                                 top_k, top_p)
-    return next_tokens, cache
+    return next_tokens, cache, workspace
 
-  jitted = jax.jit(step, static_argnames=("attention_impl",), donate_argnames=("cache",))
+  jitted = jax.jit(step, static_argnames=("attention_impl",),
+                   donate_argnames=("cache", "workspace"))
   return jitted, traces
 
 
@@ -101,7 +107,6 @@ class Engine:
                token_budget: int = 512, prefill_lanes: int = 2, chunked_prefill: bool = True,
                prefix_caching: bool = True, min_chunk: int = MIN_BUCKET,
                attention_impl: str | None = None):
-    from models.qwen2.sampler import resolve_attention_impl
     config = model.config
     for name, value in (("max_slots", max_slots), ("token_budget", token_budget),
                         ("prefill_lanes", prefill_lanes)):
@@ -112,9 +117,10 @@ class Engine:
     self.config = config
     self.max_seq_len = min(max_seq_len or config.max_position_embeddings, config.max_position_embeddings)
     self.max_slots, self.prefill_lanes, self.page_size = max_slots, prefill_lanes, page_size
-    self.attention_impl = resolve_attention_impl(model, attention_impl)
+    self.attention_impl = check_attention_impl(attention_impl)
     self.cache = PagedCache.create(config, max_slots, self.max_seq_len, model.dtype,
                                    page_size=page_size, num_pages=num_pages)
+    self.workspace = DecodeWorkspace.create()
     self.max_pages = self.cache.block_table.shape[1]
     self.allocator = PageAllocator(self.cache.num_pages, page_size, max_slots, self.max_pages)
     self.prefix_cache = PrefixCache(self.allocator) if prefix_caching else None
@@ -183,43 +189,43 @@ class Engine:
       sampling = (jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32),
                   jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.int32),
                   jnp.ones((rows,), jnp.float32))
-      tokens, self.cache = self._step(self.params, self.cache, jnp.asarray(zeros((slots,))),
-                                      jnp.asarray(zeros((slots,))), jnp.asarray(zeros((slots,))),
-                                      prefill, sampling, attention_impl=self.attention_impl)
+      tokens, self.cache, self.workspace = self._step(
+          self.params, self.cache, self.workspace, *(jnp.asarray(zeros((slots,))) for _ in range(3)),
+          prefill, sampling, attention_impl=self.attention_impl)
       tokens.block_until_ready()
 
   # ----------------------------------------------------------------------------- one step
 
   def step(self) -> bool:
     """Schedules and runs one step; False when there was nothing to run."""
-    plan = self.scheduler.schedule()
-    if plan is None:
+    scheduled = self.scheduler.schedule()
+    if scheduled is None:
       return False
-    next_tokens = np.asarray(self._run(plan))
-    lanes = self.prefill_lanes if plan.prefills else 0
-    self.scheduler.commit(plan, next_tokens[:len(plan.prefills)],
-                          [next_tokens[lanes + s.slot] for s in plan.decodes], time.perf_counter())
+    next_tokens = np.asarray(self._run(scheduled))
+    lanes = self.prefill_lanes if scheduled.prefills else 0
+    self.scheduler.commit(scheduled, next_tokens[:len(scheduled.prefills)],
+                          [next_tokens[lanes + s.slot] for s in scheduled.decodes], time.perf_counter())
     return True
 
-  def _run(self, plan: StepPlan):
+  def _run(self, scheduled: ScheduledStep):
     slots, lanes = self.max_slots, self.prefill_lanes
     # One sampling row per logits row: the prefill lanes (when the step has any), then the slots.
-    lane_rows = [s for s, _ in plan.prefills] + [None] * (lanes - len(plan.prefills))
-    rows = (lane_rows if plan.prefills else []) + list(self.scheduler.slots)
+    lane_rows = [s for s, _ in scheduled.prefills] + [None] * (lanes - len(scheduled.prefills))
+    rows = (lane_rows if scheduled.prefills else []) + list(self.scheduler.slots)
     decode_tokens = np.zeros((slots,), np.int32)
     decode_lengths = np.zeros((slots,), np.int32)
     decode_cached = np.zeros((slots,), np.int32)
-    for seq in plan.decodes:
+    for seq in scheduled.decodes:
       decode_tokens[seq.slot] = seq.tokens[seq.cached]
       decode_lengths[seq.slot] = 1
       decode_cached[seq.slot] = seq.cached
     prefill = None
-    if plan.prefills:
-      tokens = np.zeros((lanes, plan.chunk_bucket), np.int32)
+    if scheduled.prefills:
+      tokens = np.zeros((lanes, scheduled.chunk_bucket), np.int32)
       lengths = np.zeros((lanes,), np.int32)
       cached = np.zeros((lanes,), np.int32)
       table = np.zeros((lanes, self.max_pages), np.int32)
-      for lane, (seq, chunk) in enumerate(plan.prefills):
+      for lane, (seq, chunk) in enumerate(scheduled.prefills):
         tokens[lane, :chunk] = seq.tokens[seq.cached:seq.cached + chunk]
         lengths[lane], cached[lane] = chunk, seq.cached
         table[lane] = self.allocator.block_table[seq.slot]
@@ -236,8 +242,8 @@ class Engine:
     if self.allocator.changed:
       self.cache = dataclasses.replace(self.cache, block_table=jnp.asarray(self.allocator.block_table))
       self.allocator.changed = False
-    next_tokens, self.cache = self._step(
-        self.params, self.cache, jnp.asarray(decode_tokens), jnp.asarray(decode_lengths),
+    next_tokens, self.cache, self.workspace = self._step(
+        self.params, self.cache, self.workspace, jnp.asarray(decode_tokens), jnp.asarray(decode_lengths),
         jnp.asarray(decode_cached), prefill, tuple(jnp.asarray(x) for x in sampling),
         attention_impl=self.attention_impl)
     return next_tokens

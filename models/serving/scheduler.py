@@ -46,7 +46,10 @@ class Sequence:
 
 
 @dataclasses.dataclass
-class StepPlan:
+class ScheduledStep:
+  """The sequences one engine step feeds (how the model computes them is its own
+  models.qwen2.StepPlan)."""
+
   decodes: list[Sequence]  # one token each
   prefills: list[tuple[Sequence, int]]  # (sequence, tokens of its chunk)
   chunk_bucket: int  # T of the step's prefill rows (0: no prefill)
@@ -132,7 +135,7 @@ class Scheduler:
 
   # ----------------------------------------------------------------------------- one step
 
-  def schedule(self) -> StepPlan | None:
+  def schedule(self) -> ScheduledStep | None:
     """The next step's work (None: nothing to run)."""
     self._admit()
     # (A sequence preempted by an older one's growth in this loop has no slot any more.)
@@ -161,20 +164,20 @@ class Scheduler:
       return None
     longest = max((c for _, c in prefills), default=0)
     bucket = min(b for b in self.buckets if b >= longest) if prefills else 0
-    return StepPlan(decodes, prefills, bucket)
+    return ScheduledStep(decodes, prefills, bucket)
 
-  def commit(self, plan: StepPlan, prefill_tokens, decode_tokens, now: float) -> None:
+  def commit(self, step: ScheduledStep, prefill_tokens, decode_tokens, now: float) -> None:
     """Books a step's results: chunk c of a prefill row is now cached; a row that fed its
     last pending token appends the token it drew (prefill_tokens [lanes], decode_tokens
     [decodes], host ints)."""
     self.stats["steps"] += 1
-    for (seq, chunk), token in zip(plan.prefills, prefill_tokens):
+    for (seq, chunk), token in zip(step.prefills, prefill_tokens):
       seq.cached += chunk
       seq.handle.computed_tokens += chunk
       self.stats["prefill_tokens"] += chunk
       if seq.pending == 0:
         self._emit(seq, int(token), now)
-    for seq, token in zip(plan.decodes, decode_tokens):
+    for seq, token in zip(step.decodes, decode_tokens):
       seq.cached += 1
       seq.handle.computed_tokens += 1
       self.stats["decode_tokens"] += 1
