@@ -153,8 +153,62 @@ def all_configs():
     yield from ((gen, c) for c in candidates)
   for (gen, _), candidates in [*_DECODE.items(), *_PAGED.items()]:
     yield from ((gen, c) for c in candidates)
-  for c in [*_PREFILL_FP32, *_PREFILL_LAST, *_DECODE_FP32, *_DECODE_LAST]:
+  for (gen, *_), candidates in _BACKWARD.items():
+    yield from ((gen, c) for c in candidates)
+  for c in [*_PREFILL_FP32, *_PREFILL_LAST, *_DECODE_FP32, *_DECODE_LAST, *_BACKWARD_FP32,
+            *_BACKWARD_LAST]:
     yield None, c
+
+
+# ----------------------------------------------------------------------------- backward
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Tiles of the FlashAttention-2 backward (jaxflash/prefill_backward.py).
+
+  The dK/dV kernel keeps `block_k` keys (their K and V tiles and the dK and dV
+  accumulators) resident and streams `block_q` query rows (Q and dO tiles) past them; the
+  dQ kernel swaps the roles: `block_k` query rows resident (Q, dO, the dQ accumulator),
+  `block_q` keys streamed. Both therefore stage the same bytes:
+
+      bytes = itemsize * head_dim_padded * (2 * block_k + stages * 2 * block_q) + reserve
+  """
+
+  block_q: int
+  block_k: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    return itemsize * padded_head_dim(head_dim) * (
+        2 * self.block_k + self.num_stages * 2 * self.block_q) + RESERVE_BYTES
+
+
+B = BackwardConfig
+# Hopper rows: the fwd+bwd sweep at n = 4096 and 16384 (bench/train.py --sweep). Ampere and
+# Ada rows keep the same tile shapes with the stage counts their budgets allow.
+_BACKWARD = {
+    ("hopper", 64, 2): [B(64, 128, 8, 2), B(32, 128, 4, 3), B(32, 64, 4, 2)],
+    ("hopper", 128, 2): [B(64, 128, 8, 2), B(32, 128, 4, 3), B(32, 64, 4, 2)],
+    ("hopper", 256, 2): [B(32, 64, 4, 2), B(16, 64, 4, 2), B(16, 32, 4, 2)],
+    ("ada", 64, 2): [B(32, 128, 4, 2), B(32, 64, 4, 2)],
+    ("ada", 128, 2): [B(32, 64, 4, 2), B(16, 64, 4, 2)],
+    ("ada", 256, 2): [B(16, 32, 4, 2), B(16, 16, 4, 1)],
+    ("ampere", 64, 2): [B(64, 128, 8, 2), B(32, 64, 4, 2)],
+    ("ampere", 128, 2): [B(32, 128, 4, 2), B(32, 64, 4, 2), B(16, 64, 4, 2)],
+    ("ampere", 256, 2): [B(16, 64, 4, 2), B(16, 32, 4, 2)],
+}
+_BACKWARD_FP32 = [B(32, 64, 4, 2), B(16, 32, 4, 2), B(16, 16, 4, 1)]
+_BACKWARD_LAST = [B(16, 32, 4, 2), B(16, 16, 4, 1)]
+
+
+def backward_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> BackwardConfig:
+  """The tuned backward config for this head dim and dtype on `info` (default: this GPU)."""
+  info = info or device_info()
+  itemsize = jnp.dtype(dtype).itemsize
+  table = _BACKWARD_FP32 if itemsize > 2 else _BACKWARD.get(
+      (_generation_key(info), _bucket(head_dim), itemsize), [])
+  return _first_fit([*table, *_BACKWARD_LAST], head_dim, itemsize, info, "backward")
 
 
 MIN_CHUNK_TOKENS = 64  # one tile: shorter splits measured faster down to this (bench/NOTES.md)

@@ -167,10 +167,10 @@ def _block_size(limit: int, length: int) -> int:
 
 @functools.partial(
     jax.jit, static_argnames=("scale", "is_causal", "return_residual", "config", "interpret"))
-def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
-                      scale=None, is_causal=False, return_residual=False,
-                      config: PrefillConfig | None = None, interpret: bool | None = None):
-  """FlashAttention-2 forward pass.
+def prefill_forward(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
+                    scale=None, is_causal=False, return_residual=False,
+                    config: PrefillConfig | None = None, interpret: bool | None = None):
+  """FlashAttention-2 forward pass (`prefill_attention` is this, differentiable).
 
   query [B, T, N, H]; key, value [B, S, K, H] with N a multiple of K (query head n reads
   KV head n // (N // K)); query_seq_lengths, key_value_seq_lengths: optional int [B].
@@ -273,3 +273,8 @@ def prefill_reference(query, key, value, query_seq_lengths=None, key_value_seq_l
       query, key, value, scale=_checks.default_scale(scale, query.shape[-1]), is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
   return (out, lse) if return_residual else out
+
+
+# The public entry point: the forward above with its FlashAttention-2 backward pass, a
+# jax.custom_vjp (jaxflash/prefill_backward.py, which imports this module's helpers).
+from jaxflash.prefill_backward import prefill_attention  # noqa: E402
