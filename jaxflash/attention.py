@@ -31,6 +31,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   FlashAttention does; rows with no key to attend to give zeros. `bias`, `mask` and
   `local_window_size` are not supported yet (NotImplementedError).
 
+  Differentiable (jax.grad, jax.vjp, under jit, vmap, checkpoint, scan and on a mesh):
+  the prefill and one-token decode paths run the FlashAttention-2 backward kernels
+  (jaxflash/prefill_backward.py); paged decode raises NotImplementedError when
+  differentiated, as do second derivatives; jax.jvp raises JAX's custom_vjp error.
+
   implementation: None (the Pallas kernels: compiled on a GPU, interpreted elsewhere),
   "pallas" (the same), or "xla" (plain-JAX reference path).
 
@@ -74,7 +79,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     else:
       from jaxflash.paged import paged_decode_attention
       kernel = functools.partial(paged_decode_attention, scale=scale, return_residual=True)
-      result = sharding.paged(kernel, query, key, value, kv_lengths, block_table)
+      paged = _not_differentiable(functools.partial(sharding.paged, kernel), "paged decode (block_table)")
+      result = paged(query, key, value, kv_lengths, block_table)
       return _finish(result, return_residual, unbatched)
   else:
     _checks.check_same_batch(query, key)
@@ -84,15 +90,48 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                  query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths)
   elif t == 1 and q_lengths is None:
     # One query token: with a bottom-right diagonal it sees every valid key, causal or not.
+    # Its gradient is the prefill backward's with T = 1 (the same math, not causal).
     from jaxflash.decode import decode_attention
     kernel = functools.partial(decode_attention, scale=scale, return_residual=True)
-    result = sharding.decode(kernel, query, key, value, kv_lengths)
+    result = _differentiable(lambda q, k, v, _, kv_len: sharding.decode(kernel, q, k, v, kv_len),
+                             query, key, value, None, kv_lengths, scale=scale, is_causal=False)
   else:
-    from jaxflash.prefill import prefill_attention
-    kernel = functools.partial(prefill_attention, scale=scale, is_causal=is_causal,
+    from jaxflash.prefill import prefill_forward
+    kernel = functools.partial(prefill_forward, scale=scale, is_causal=is_causal,
                                return_residual=True)
-    result = sharding.prefill(kernel, query, key, value, q_lengths, kv_lengths)
+    result = _differentiable(functools.partial(sharding.prefill, kernel), query, key, value,
+                             q_lengths, kv_lengths, scale=scale, is_causal=is_causal)
   return _finish(result, return_residual, unbatched)
+
+
+def _differentiable(forward, query, key, value, q_lengths, kv_lengths, *, scale, is_causal):
+  """forward(q, k, v, q_lengths, kv_lengths) -> (out, lse), differentiated by the
+  FlashAttention-2 backward kernels (jaxflash/prefill_backward.py), both sharding-aware."""
+  from jaxflash.prefill_backward import differentiable, prefill_backward
+  kernel = functools.partial(prefill_backward, scale=scale, is_causal=is_causal)
+
+  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse):
+    def run(q, k, v, q_len, kv_len, out, lse, d_out, d_lse):
+      return kernel(q, k, v, out, lse, d_out, d_lse, q_len, kv_len)
+    return sharding.prefill_backward(run, q, k, v, q_len, kv_len, out, lse, d_out, d_lse)
+
+  return differentiable(lambda q, k, v, q_len, kv_len, _: forward(q, k, v, q_len, kv_len), backward,
+                        query, key, value, q_lengths, kv_lengths, return_residual=True,
+                        what="jaxflash.attention")
+
+
+def _not_differentiable(fn, path: str):
+  """fn, raising NotImplementedError (naming `path`) where JAX would differentiate it."""
+  wrapped = jax.custom_jvp(fn)
+
+  def no_jvp(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(
+        f"jaxflash.attention: {path} is not differentiable; differentiate a contiguous cache "
+        "or the prefill path, or use implementation='xla'")
+
+  wrapped.defjvp(no_jvp)
+  return wrapped
 
 
 def _finish(result, return_residual: bool, unbatched: bool):

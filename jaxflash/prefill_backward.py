@@ -297,7 +297,9 @@ def prefill_backward(query, key, value, out, lse, d_out, d_lse=None, query_seq_l
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32).transpose(0, 2, 1)
   lse2 = lse.astype(jnp.float32).transpose(0, 2, 1)
-  lse2 = jnp.where(jnp.isfinite(lse2), lse2 * LOG2_E, jnp.inf)
+  attended = jnp.isfinite(lse2)
+  lse2 = jnp.where(attended, lse2 * LOG2_E, jnp.inf)
+  delta = jnp.where(attended, delta, 0.)  # whatever d_out holds on rows that attend to nothing
 
   group = num_heads // num_kv_heads
   head_dim_padded = configs.padded_head_dim(head_dim)
@@ -433,13 +435,16 @@ def differentiable(forward: Callable, backward: Callable, query, key, value, q_l
   custom_vjp error; second derivatives raise NotImplementedError.
   """
   backward = _first_order(backward)
+  # The forward as the VJP's forward rule runs it: differentiating that (a second
+  # derivative) would differentiate the kernel itself.
+  forward_for_vjp = _first_order(lambda q, k, v, q_len, kv_len: forward(q, k, v, q_len, kv_len, True))
 
   @jax.custom_vjp
   def attend(q, k, v, q_len, kv_len):
     return forward(q, k, v, q_len, kv_len, return_residual)
 
   def attend_fwd(q, k, v, q_len, kv_len):
-    out, lse = forward(q, k, v, q_len, kv_len, True)
+    out, lse = forward_for_vjp(q, k, v, q_len, kv_len)
     return (out, lse) if return_residual else out, (q, k, v, q_len, kv_len, out, lse)
 
   def attend_bwd(residuals, cotangent):
