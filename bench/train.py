@@ -156,9 +156,10 @@ def sweep(n: int, ceiling: float | None, budget, grid) -> list[dict]:
   default = common.try_call(backward_config, HEAD_DIM, DTYPE)[0]
   args = make_inputs(1, n)
   rows, cases = [], {}
-  for bq, bk, warps, stages in grid:
-    config = BackwardConfig(bq, bk, warps, stages)
-    row = {"n": n, "config": f"{bq}x{bk} w{warps} s{stages}", "default": config == default,
+  for tiles in grid:
+    config = BackwardConfig(*tiles)
+    dq = "" if len(tiles) < 5 else " dq{}x{}".format(*config.dq_tiles)
+    row = {"n": n, "config": "{}x{} w{} s{}".format(*tiles[:4]) + dq, "default": config == default,
            "smem_kib": config.smem_bytes(HEAD_DIM, 2) / 1024}
     rows.append(row)
     if budget.exhausted():
@@ -222,8 +223,10 @@ def model_rows(preset: str, n: int, budget) -> list[dict]:
 
 # ----------------------------------------------------------------------------- script
 
-SWEEP_GRID = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2),
-              (128, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)]
+# (block_q, block_k, num_warps, num_stages[, dq_block_q, dq_block_k])
+SWEEP_GRID = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 3),
+              (128, 64, 8, 2), (64, 64, 4, 2, 128, 64), (64, 32, 4, 2, 128, 64),
+              (128, 32, 4, 2, 128, 64), (64, 64, 4, 2, 128, 32), (64, 128, 8, 2)]
 
 
 def main_columns(impls):

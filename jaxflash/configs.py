@@ -168,20 +168,30 @@ class BackwardConfig:
 
   The dK/dV kernel keeps `block_k` keys (their K and V tiles and the dK and dV
   accumulators) resident and streams `block_q` query rows (Q and dO tiles) past them; the
-  dQ kernel swaps the roles: `block_k` query rows resident (Q, dO, the dQ accumulator),
-  `block_q` keys streamed. Both therefore stage the same bytes:
+  dQ kernel keeps `dq_block_q` query rows resident (Q, dO, the dQ accumulator) and streams
+  `dq_block_k` keys (default: the dK/dV tiles swapped, block_k rows and block_q keys). Each
+  stages its resident pair once and a streamed pair per stage:
 
-      bytes = itemsize * head_dim_padded * (2 * block_k + stages * 2 * block_q) + reserve
+      bytes = itemsize * head_dim_padded * (2 * resident + stages * 2 * streamed) + reserve
   """
 
   block_q: int
   block_k: int
   num_warps: int = 4
   num_stages: int = 2
+  dq_block_q: int | None = None
+  dq_block_k: int | None = None
+
+  @property
+  def dq_tiles(self) -> tuple[int, int]:
+    """(query rows, keys) of the dQ kernel."""
+    return (self.dq_block_q or self.block_k, self.dq_block_k or self.block_q)
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    return itemsize * padded_head_dim(head_dim) * (
-        2 * self.block_k + self.num_stages * 2 * self.block_q) + RESERVE_BYTES
+    per_row = itemsize * padded_head_dim(head_dim)
+    rows, keys = self.dq_tiles
+    return per_row * max(2 * self.block_k + self.num_stages * 2 * self.block_q,
+                         2 * rows + self.num_stages * 2 * keys) + RESERVE_BYTES
 
 
 B = BackwardConfig

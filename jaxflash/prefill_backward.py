@@ -239,9 +239,9 @@ def _dq_kernel(
 def _check_config(config) -> None:
   if not isinstance(config, BackwardConfig):
     raise TypeError(f"backward_config must be a jaxflash.BackwardConfig, got {type(config).__name__}")
-  for name in ("block_q", "block_k"):
+  for name in ("block_q", "block_k", "dq_block_q", "dq_block_k"):
     size = getattr(config, name)
-    if size < MIN_BLOCK or size & (size - 1):
+    if size is not None and (size < MIN_BLOCK or size & (size - 1)):
       raise ValueError(f"backward_config.{name} must be a power of two >= {MIN_BLOCK}, got {config}")
   if config.num_warps < 1 or config.num_stages < 1:
     raise ValueError(f"backward_config needs num_warps >= 1 and num_stages >= 1, got {config}")
@@ -293,9 +293,10 @@ def prefill_backward(query, key, value, out, lse, d_out, d_lse=None, query_seq_l
 
   # The pre-pass (XLA, fused): delta and the base-2 LSE, transposed to [B, N, T] so each
   # program's rows are contiguous. An LSE of -inf (nothing to attend) becomes +inf: P = 0.
-  delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
   if d_lse is not None:
-    delta = delta - d_lse.astype(jnp.float32).transpose(0, 2, 1)
+    delta = delta - d_lse.astype(jnp.float32)
+  delta = delta.transpose(0, 2, 1)
   lse2 = lse.astype(jnp.float32).transpose(0, 2, 1)
   attended = jnp.isfinite(lse2)
   lse2 = jnp.where(attended, lse2 * LOG2_E, jnp.inf)
@@ -338,12 +339,13 @@ def prefill_backward(query, key, value, out, lse, d_out, d_lse=None, query_seq_l
         name="jaxflash_prefill_dkdv",
     )(*lengths, query, d_out, lse2, delta, key, value)
 
-  # dQ: the roles swap (config.block_k query rows resident, config.block_q keys streamed).
-  dq_block_q = _block_size(config.block_k, seq_q)
-  dq_block_k = _block_size(config.block_q, seq_kv)
+  # dQ: config.dq_tiles (default: the dK/dV tiles swapped, block_k rows, block_q keys).
+  dq_rows, dq_keys = config.dq_tiles
+  dq_block_q = _block_size(dq_rows, seq_q)
+  dq_block_k = _block_size(dq_keys, seq_kv)
   num_q_blocks = pl.cdiv(seq_q, dq_block_q)
   # A query tile shrunk for a short sequence has too few rows to share among 8 warps.
-  dq_warps = config.num_warps if dq_block_q == config.block_k else min(config.num_warps, 4)
+  dq_warps = config.num_warps if dq_block_q == dq_rows else min(config.num_warps, 4)
 
   def q_index(n, i, b):
     return b, num_q_blocks - 1 - i, n, 0
