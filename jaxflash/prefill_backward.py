@@ -296,7 +296,9 @@ def prefill_backward(query, key, value, out, lse, d_out, d_lse=None, query_seq_l
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32)
-  delta = delta.transpose(0, 2, 1)
+  # The barrier keeps the row reduction apart from the transpose: fused, XLA reads d_out and
+  # O in the transposed order (60 us at n = 4096 on the H200, the whole pass's time).
+  delta = lax.optimization_barrier(delta).transpose(0, 2, 1)
   lse2 = lse.astype(jnp.float32).transpose(0, 2, 1)
   attended = jnp.isfinite(lse2)
   lse2 = jnp.where(attended, lse2 * LOG2_E, jnp.inf)
