@@ -111,7 +111,8 @@ def _dkdv_kernel(
   def step(index, carry, *, start, count, masked: bool):
     dk, dv = carry  # [block_k, head_dim_padded] float32 each
     # One flat loop over (query head of the group, query block): the group's heads all
-    # add into this program's dK and dV (FlashAttention-2's GQA handling, section 3.1).
+    # add into this program's dK and dV: the sum over the heads that share K and V, which
+    # FlashAttention-2 takes across its per-head gradients, is done here, inside the kernel.
     g = lax.div(index, count)
     q_start = pl.multiple_of((start + index - g * count) * block_q, block_q)
     rows = q_start + jnp.arange(block_q)  # [block_q] query positions
