@@ -15,7 +15,7 @@ one's peak scratch memory, a whole-model training step (Qwen2.5-0.5B shapes, ran
 weights, one sequence of 4K tokens: jaxflash vs cuDNN vs xla attention) and a sweep of the
 backward's BackwardConfig at n = 4096 and 16384.
 
-  python bench/train.py [--quick] [--no-sweep] [--out DIR]     # GPU
+  python bench/train.py [--quick] [--no-sweep] [--sizes 1x4096,...] [--impls ...]   # GPU
   python bench/train.py --smoke                                # tiny CPU run, interpret mode
 """
 from __future__ import annotations
@@ -30,8 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench import common  # noqa: E402
-from bench.common import log  # noqa: E402
+try:  # bench split by concept (timing, cli, report): one namespace over them
+  from bench import cli as _cli, report as _report, timing as _timing  # noqa: E402
+  common = types.SimpleNamespace(**{**vars(_timing), **vars(_report), **vars(_cli)},
+                                 Budget=_cli.TimeLimit)
+  LIMIT_OPTION = "time_limit_s"
+except ImportError:  # the single bench.common before the split
+  from bench import common  # noqa: E402
+  LIMIT_OPTION = "budget_s"
+log = common.log
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -238,8 +245,8 @@ def main_columns(impls):
 
 
 def parse_args(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", budget_s=420.0,
-                             quick="n = 4096 and 16384 only", sweep=True)
+  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)",
+                             quick="n = 4096 and 16384 only", sweep=True, **{LIMIT_OPTION: 420.0})
   p.add_argument("--no-model", dest="model", action="store_false", help="skip the model step row")
   p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
   p.add_argument("--sizes", default=None, help="comma-separated BxN cells, e.g. 1x4096,4x4096 "
@@ -249,7 +256,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  budget = common.Budget(args.budget_s)
+  budget = common.Budget(getattr(args, LIMIT_OPTION))
   if args.smoke:
     sizes, impls = [(1, 128), (2, 64)], ("jaxflash", "pallas_mha", "xla")
     sweep_ns, grid = [128], [(16, 32, 4, 2), (32, 32, 4, 2)]
