@@ -8,7 +8,6 @@ from jaxflash.device import DeviceInfo, device_info
 from jaxflash.linear import LinearConfig, skinny_matmul
 from jaxflash.paged import gather_pages, paged_decode_attention, paged_kv_write
 from jaxflash.prefill import prefill_attention
-from jaxflash.prefill_backward import prefill_backward
 from jaxflash.qkv import qkv_projection
 from jaxflash.reference import attention_reference
 from jaxflash.residual_norm import add_rms_norm
@@ -19,6 +18,6 @@ __all__ = [
     "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
-    "SplitKV", "project_split_kv", "BackwardConfig", "backward_config", "prefill_backward",
+    "SplitKV", "project_split_kv", "BackwardConfig", "backward_config",
 ]
 __version__ = "0.1.0"
