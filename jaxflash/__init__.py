@@ -1,7 +1,8 @@
 """jaxflash: fast, exact attention for JAX on NVIDIA GPUs (Pallas, Triton lowering)."""
 from jaxflash.attention import IMPLEMENTATIONS, attention
 from jaxflash.cache_write import kv_cache_write
-from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_splits, prefill_config
+from jaxflash.configs import (BackwardConfig, DecodeConfig, PrefillConfig, backward_config, decode_config,
+                              num_splits, prefill_config)
 from jaxflash.decode import SplitKV, decode_attention
 from jaxflash.device import DeviceInfo, device_info
 from jaxflash.linear import LinearConfig, skinny_matmul
@@ -17,6 +18,6 @@ __all__ = [
     "paged_kv_write", "gather_pages", "attention_reference", "PrefillConfig", "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
-    "SplitKV", "project_split_kv",
+    "SplitKV", "project_split_kv", "BackwardConfig", "backward_config",
 ]
 __version__ = "0.1.0"
