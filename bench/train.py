@@ -3,11 +3,13 @@
 Shapes: 12 query heads, 2 KV heads, head dim 128, bf16, causal; batch 1 at n = 1K ... 32K and
 batch 4 at 4096. Every implementation of a row runs in one process and one profiler
 session, timed on device time (the sum of the GPU kernels one call launches,
-bench/common.py). A call is jax.vjp of the attention with a fixed cotangent: the forward and
+bench/timing.py). A call is jax.vjp of the attention with a fixed cotangent: the forward and
 the backward. TFLOP/s count FLOPs as FlashAttention-2 does: the causal forward's
 4 n^2 d per head halved, times 3.5 (forward 1 + backward 2.5).
 
-Contenders: jaxflash (its FlashAttention-2 backward, jaxflash/prefill_backward.py), cuDNN
+Contenders: jaxflash (the Pallas-Triton forward and its FlashAttention-2 backward,
+jaxflash/prefill_backward.py), jaxflash_default (`jaxflash.attention`'s default path: on
+sm_90+ the Mosaic GPU forward with the same Triton backward), cuDNN
 (jax.nn, implementation="cudnn"), jax.nn "xla", JAX's Pallas `mha` with its own backward
 (no GQA: K/V repeated inside the call, so its dK/dV are reduced by XLA), and, when
 importable, FlashAttention-3 (flash_attn3_jax.flash_mha) and tokamax "mosaic". Also each
@@ -15,8 +17,9 @@ one's peak scratch memory, a whole-model training step (Qwen2.5-0.5B shapes, ran
 weights, one sequence of 4K tokens: jaxflash vs cuDNN vs xla attention) and a sweep of the
 backward's BackwardConfig at n = 4096 and 16384.
 
-  python bench/train.py [--quick] [--no-sweep] [--sizes 1x4096,...] [--impls ...]   # GPU
-  python bench/train.py --smoke                                # tiny CPU run, interpret mode
+  python -m bench.train [--quick] [--no-sweep] [--sizes 1x4096,...] [--impls ...]
+                        [--grid full|splits] [--sweep-ns 4096,16384] [--no-model]    # GPU
+  python -m bench.train --smoke                                # tiny CPU run, interpret mode
 """
 from __future__ import annotations
 
@@ -30,20 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-try:  # bench split by concept (timing, cli, report): one namespace over them
-  from bench import cli as _cli, report as _report, timing as _timing  # noqa: E402
-  common = types.SimpleNamespace(**{**vars(_timing), **vars(_report), **vars(_cli)},
-                                 Budget=_cli.TimeLimit)
-  LIMIT_OPTION = "time_limit_s"
-except ImportError:  # the single bench.common before the split
-  from bench import common  # noqa: E402
-  LIMIT_OPTION = "budget_s"
+# bench's modules by concept (timing, cli, report), read through one namespace here.
+from bench import cli as _cli, report as _report, timing as _timing  # noqa: E402
+common = types.SimpleNamespace(**{**vars(_timing), **vars(_report), **vars(_cli)},
+                               Budget=_cli.TimeLimit)
+LIMIT_OPTION = "time_limit_s"
 log = common.log
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
-IMPLS = ("jaxflash", "cudnn", "fa3", "tokamax", "pallas_mha", "xla")
-LABELS = {"jaxflash": "jaxflash", "cudnn": "cuDNN (jax.nn)", "fa3": "FlashAttention-3",
+IMPLS = ("jaxflash", "jaxflash_default", "cudnn", "fa3", "tokamax", "pallas_mha", "xla")
+LABELS = {"jaxflash": "jaxflash", "jaxflash_default": "jaxflash default (Mosaic fwd on sm_90+)",
+          "cudnn": "cuDNN (jax.nn)", "fa3": "FlashAttention-3",
           "tokamax": "tokamax mosaic", "pallas_mha": "JAX Pallas mha", "xla": "jax.nn xla"}
 MAX_N_XLA = 16384  # jax.nn "xla" keeps the n x n probabilities for its backward
 BACKWARD_FACTOR = 3.5  # FlashAttention-2: backward 2.5x the forward's FLOPs
@@ -56,6 +57,11 @@ def jaxflash_attention(backward_config=None):
     from jaxflash.prefill import prefill_attention  # here: an import error is one cell's error
     return prefill_attention(q, k, v, is_causal=True, backward_config=backward_config)
   return attend
+
+
+def jaxflash_default_attention(q, k, v):
+  import jaxflash
+  return jaxflash.attention(q, k, v, is_causal=True)
 
 
 def cudnn_attention(q, k, v):
@@ -94,7 +100,8 @@ def tokamax_attention(q, k, v):
   return tokamax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic")
 
 
-CONTENDERS = {"jaxflash": jaxflash_attention(), "cudnn": cudnn_attention, "fa3": fa3_attention,
+CONTENDERS = {"jaxflash": jaxflash_attention(), "jaxflash_default": jaxflash_default_attention,
+              "cudnn": cudnn_attention, "fa3": fa3_attention,
               "tokamax": tokamax_attention, "pallas_mha": pallas_mha_attention, "xla": xla_attention}
 
 
@@ -165,8 +172,10 @@ def sweep(n: int, ceiling: float | None, budget, grid) -> list[dict]:
   rows, cases = [], {}
   for tiles in grid:
     config = BackwardConfig(*tiles)
-    dq = "" if len(tiles) < 5 else " dq{}x{}".format(*config.dq_tiles)
-    row = {"n": n, "config": "{}x{} w{} s{}".format(*tiles[:4]) + dq, "default": config == default,
+    dq = "" if len(tiles) < 5 or tiles[4] is None else " dq{}x{}".format(*config.dq_tiles)
+    splits = "" if config.q_splits is None else f" q{config.q_splits}"
+    row = {"n": n, "config": "{}x{} w{} s{}".format(*tiles[:4]) + dq + splits,
+           "default": config == default,
            "smem_kib": config.smem_bytes(HEAD_DIM, 2) / 1024}
     rows.append(row)
     if budget.exhausted():
@@ -230,10 +239,17 @@ def model_rows(preset: str, n: int, budget) -> list[dict]:
 
 # ----------------------------------------------------------------------------- script
 
-# (block_q, block_k, num_warps, num_stages[, dq_block_q, dq_block_k])
+# (block_q, block_k, num_warps, num_stages[, dq_block_q, dq_block_k[, q_splits]])
 SWEEP_GRID = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 3),
               (128, 64, 8, 2), (64, 64, 4, 2, 128, 64), (64, 32, 4, 2, 128, 64),
               (128, 32, 4, 2, 128, 64), (64, 64, 4, 2, 128, 32), (64, 128, 8, 2)]
+# The dK/dV kernel's query-range split (BackwardConfig.q_splits; None: the automatic
+# choice) on the Hopper default tiles and on 64 x 128 tiles, which need it most.
+SPLITS_GRID = [(64, 64, 4, 2, None, None, 1), (64, 64, 4, 2, None, None, 2),
+               (64, 64, 4, 2, None, None, 3), (64, 64, 4, 2, None, None, 4),
+               (64, 128, 8, 2, None, None, 1), (64, 128, 8, 2, None, None, 2),
+               (64, 128, 8, 2, None, None, 4), (64, 64, 4, 2, 128, 64, 2)]
+GRIDS = {"full": SWEEP_GRID + SPLITS_GRID, "splits": SPLITS_GRID}
 
 
 def main_columns(impls):
@@ -251,6 +267,9 @@ def parse_args(argv=None):
   p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
   p.add_argument("--sizes", default=None, help="comma-separated BxN cells, e.g. 1x4096,4x4096 "
                  "(default: B=1 at 1K..32K and 4x4096)")
+  p.add_argument("--grid", choices=tuple(GRIDS), default="full",
+                 help="BackwardConfig sweep: every config, or the q_splits ones only")
+  p.add_argument("--sweep-ns", default="4096,16384", help="comma-separated n of the sweep (B=1)")
   return p.parse_args(argv)
 
 
@@ -258,8 +277,8 @@ def main(argv=None):
   args = parse_args(argv)
   budget = common.Budget(getattr(args, LIMIT_OPTION))
   if args.smoke:
-    sizes, impls = [(1, 128), (2, 64)], ("jaxflash", "pallas_mha", "xla")
-    sweep_ns, grid = [128], [(16, 32, 4, 2), (32, 32, 4, 2)]
+    sizes, impls = [(1, 128), (2, 64)], ("jaxflash", "jaxflash_default", "pallas_mha", "xla")
+    sweep_ns, grid = [128], [(16, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2, None, None, 2)]
     model_case, ceiling_args = ("demo", 64), dict(matmul_n=256, hbm_gib=1 / 64)
   else:
     ns = [4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
@@ -267,7 +286,7 @@ def main(argv=None):
     if args.sizes:
       sizes = [tuple(int(x) for x in cell.split("x")) for cell in args.sizes.split(",")]
     impls = tuple(i for i in IMPLS if i in args.impls.split(","))
-    sweep_ns, grid = [4096, 16384], SWEEP_GRID
+    sweep_ns, grid = [int(n) for n in args.sweep_ns.split(",")], GRIDS[args.grid]
     model_case, ceiling_args = ("qwen2.5-0.5b", 4096), dict(matmul_n=8192, hbm_gib=4.0)
   meta, out_dir = common.begin_run("train", args, **ceiling_args)
   ceiling = meta["ceilings"].get("matmul_tflops")

@@ -173,6 +173,11 @@ class BackwardConfig:
   stages its resident pair once and a streamed pair per stage:
 
       bytes = itemsize * head_dim_padded * (2 * resident + stages * 2 * streamed) + reserve
+
+  q_splits: how many programs share each key block's query range in the dK/dV kernel (each
+  writes float32 partial dK/dV, summed in a fixed order by XLA: deterministic). None
+  chooses (`backward_q_splits`): more than one only where B * K * ceil(S / block_k)
+  programs would fill the SMs less than twice.
   """
 
   block_q: int
@@ -181,6 +186,7 @@ class BackwardConfig:
   num_stages: int = 2
   dq_block_q: int | None = None
   dq_block_k: int | None = None
+  q_splits: int | None = None
 
   @property
   def dq_tiles(self) -> tuple[int, int]:
@@ -192,6 +198,22 @@ class BackwardConfig:
     rows, keys = self.dq_tiles
     return per_row * max(2 * self.block_k + self.num_stages * 2 * self.block_q,
                          2 * rows + self.num_stages * 2 * keys) + RESERVE_BYTES
+
+
+MAX_Q_SPLITS = 4
+
+
+def backward_q_splits(config: BackwardConfig, programs: int, query_blocks: int,
+                      info: DeviceInfo | None = None) -> int:
+  """The dK/dV kernel's split of each key block's query range: config.q_splits if set,
+  else enough to give the SMs two programs each (at most MAX_Q_SPLITS, never more than the
+  query blocks). programs: B * K * ceil(S / block_k), the grid without a split."""
+  if config.q_splits is not None:
+    return config.q_splits
+  sm_count = (info or device_info()).sm_count
+  if programs >= 2 * sm_count:
+    return 1
+  return max(1, min(MAX_Q_SPLITS, -(-2 * sm_count // max(programs, 1)), query_blocks))
 
 
 B = BackwardConfig

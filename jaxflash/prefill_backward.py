@@ -11,7 +11,10 @@ across programs (no atomics, so results are the same run to run):
   * the dK/dV kernel: one program per (KV block, KV head, sequence). It keeps its K and V
     tiles and the dK and dV accumulators on chip and streams the query blocks past them,
     for *every query head of the KV head's GQA group*, so a KV head's gradient is summed
-    inside the kernel (never a repeated-K/V gradient reduced afterwards);
+    inside the kernel (never a repeated-K/V gradient reduced afterwards). Where that grid
+    of B * K * S / block_k programs is too small for the GPU (BackwardConfig.q_splits),
+    each key block's query range is split over a few programs whose float32 partial dK/dV
+    XLA sums in a fixed order (deterministic, a [q_splits, B, S, K, H] buffer);
   * the dQ kernel: one program per (query block, query head, sequence), streaming K and V
     like the forward; with a bias it also writes dS, the bias's gradient, tile by tile.
 
@@ -100,8 +103,8 @@ def _dkdv_kernel(
     delta_ref,  # [group, seq_q] float32 rowsum(dO * O) - dLSE
     k_ref,  # [block_k, head_dim_padded]: this program's keys of KV head k
     v_ref,  # [block_k, head_dim_padded]
-    dk_ref,  # [block_k, head_dim_padded]
-    dv_ref,  # [block_k, head_dim_padded]
+    dk_ref,  # [block_k, head_dim_padded] (float32 partial sums with q_splits > 1)
+    dv_ref,  # [block_k, head_dim_padded] (likewise)
     *,
     mods: ScoreMods,
     bias_layout,
@@ -112,10 +115,14 @@ def _dkdv_kernel(
     seq_q: int,
     seq_kv: int,
     group: int,
+    q_splits: int,
     approx_exp2: bool,
 ):
   head_dim_padded = q_ref.shape[-1]
-  k_start = pl.program_id(0) * block_k
+  # Grid axis 0 is (key block, split): with q_splits > 1 each program of a key block takes
+  # one contiguous share of every loop below and writes partial dK/dV.
+  k_start = lax.div(pl.program_id(0), q_splits) * block_k
+  split = lax.rem(pl.program_id(0), q_splits)
   q_valid, kv_valid, shift = _lengths(mods, q_lengths_ref, kv_lengths_ref, seq_q, seq_kv)
   qk_scale, scale = scale_ref[0], scale_ref[1]
   keys = k_start + jnp.arange(block_k)  # [block_k] key positions
@@ -182,8 +189,12 @@ def _dkdv_kernel(
 
   def run(start, end, carry, *, edge: bool):
     count = end - start
-    return lax.fori_loop(0, group * count, functools.partial(
-        step, start=start, count=count, edge=edge), carry)
+    body = functools.partial(step, start=start, count=count, edge=edge)
+    if q_splits == 1:
+      return lax.fori_loop(0, group * count, body, carry)
+    share = lax.div(group * count + (q_splits - 1), q_splits)
+    first = jnp.minimum(split * share, group * count)
+    return lax.fori_loop(first, jnp.minimum(first + share, group * count), body, carry)
 
   carry = (jnp.zeros((block_k, head_dim_padded), jnp.float32),
            jnp.zeros((block_k, head_dim_padded), jnp.float32))
@@ -312,6 +323,8 @@ def _check_config(config) -> None:
       raise ValueError(f"backward_config.{name} must be a power of two >= {MIN_BLOCK}, got {config}")
   if config.num_warps < 1 or config.num_stages < 1:
     raise ValueError(f"backward_config needs num_warps >= 1 and num_stages >= 1, got {config}")
+  if config.q_splits is not None and (not isinstance(config.q_splits, int) or config.q_splits < 1):
+    raise ValueError(f"backward_config.q_splits must be None or an int >= 1, got {config}")
 
 
 def resolve_config(config, head_dim: int, dtype) -> BackwardConfig:
@@ -323,9 +336,9 @@ def resolve_config(config, head_dim: int, dtype) -> BackwardConfig:
   return config
 
 
-def _grouped_spec(x, group: int):
+def _grouped_spec(x, group: int, q_splits: int):
   """BlockSpec and (heads, rows, keys) layout of a [Bb, Nb, Tb, Sb] bias or mask for the
-  dK/dV grid (KV block p, KV head h, sequence b): the group's heads, every row,
+  dK/dV grid (KV block and split p, KV head h, sequence b): the group's heads, every row,
   block_k keys; broadcast axes squeezed and pinned to 0 (stride 0)."""
   bb, nb, tb, sb = x.shape
 
@@ -333,7 +346,7 @@ def _grouped_spec(x, group: int):
     block = (None, group if nb > 1 else None, tb if tb > 1 else None, block_k if sb > 1 else None)
 
     def index(p, h, b):
-      return b if bb > 1 else 0, h if nb > 1 else 0, 0, p if sb > 1 else 0
+      return b if bb > 1 else 0, h if nb > 1 else 0, 0, lax.div(p, q_splits) if sb > 1 else 0
 
     return pl.BlockSpec(block, index)
 
@@ -415,19 +428,29 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
   block_k = _block_size(config.block_k, seq_kv)
   block_q = _block_size(config.block_q, seq_q)
   num_kv_blocks = pl.cdiv(seq_kv, block_k)
+  # The dK/dV grid has only B * K * S / block_k programs (the GQA group is summed inside):
+  # where that leaves SMs idle, each key block's query range is split over q_splits
+  # programs whose float32 partial dK/dV are summed below, in a fixed order.
+  q_splits = configs.backward_q_splits(config, batch * num_kv_heads * num_kv_blocks,
+                                       pl.cdiv(seq_q, block_q))
   length_spec = pl.BlockSpec((None,), lambda p, h, b: (b,))
-  bias_spec, bias_layout = (None, None) if bias is None else _grouped_spec(bias, group)
-  mask_spec, mask_layout = (None, None) if mask is None else _grouped_spec(mask, group)
+  bias_spec, bias_layout = (None, None) if bias is None else _grouped_spec(bias, group, q_splits)
+  mask_spec, mask_layout = (None, None) if mask is None else _grouped_spec(mask, group, q_splits)
   group_spec = pl.BlockSpec((None, seq_q, group, head_dim_padded), lambda p, h, b: (b, 0, h, 0))
   row_spec = pl.BlockSpec((None, group, seq_q), lambda p, h, b: (b, h, 0))
   key_spec = pl.BlockSpec((None, block_k, None, head_dim_padded),
-                          lambda p, h, b: (b, p, h, 0))
-  grad_shapes = [(key.shape, key.dtype), (value.shape, value.dtype)]
-  grad_spec = key_spec
+                          lambda p, h, b: (b, lax.div(p, q_splits), h, 0))
+  if q_splits == 1:
+    grad_shapes = [(key.shape, key.dtype), (value.shape, value.dtype)]
+    grad_spec = key_spec
+  else:
+    grad_shapes = [((q_splits, *key.shape), jnp.float32)] * 2
+    grad_spec = pl.BlockSpec((None, None, block_k, None, head_dim_padded),
+                             lambda p, h, b: (lax.rem(p, q_splits), b, lax.div(p, q_splits), h, 0))
   dk, dv = launch(
       functools.partial(_dkdv_kernel, bias_layout=bias_layout, mask_layout=mask_layout,
-                        block_q=block_q, block_k=block_k, group=group, **common),
-      (num_kv_blocks, num_kv_heads, batch),
+                        block_q=block_q, block_k=block_k, group=group, q_splits=q_splits, **common),
+      (num_kv_blocks * q_splits, num_kv_heads, batch),
       dict(q_lengths=(q_lengths, length_spec), kv_lengths=(kv_lengths, length_spec),
            scale=(scales, pl.BlockSpec((2,), lambda p, h, b: (0,))),
            bias=(bias, bias_spec and bias_spec(block_k)), mask=(mask, mask_spec and mask_spec(block_k)),
@@ -436,6 +459,8 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
       grad_shapes, [grad_spec, grad_spec],
       num_warps=config.num_warps, flops=8, nbytes=2 * query.nbytes + 4 * key.nbytes,
       name="jaxflash_prefill_dkdv")
+  if q_splits > 1:
+    dk, dv = jnp.sum(dk, axis=0).astype(key.dtype), jnp.sum(dv, axis=0).astype(value.dtype)
 
   # dQ: config.dq_tiles (default: the dK/dV tiles swapped, block_k rows, block_q keys).
   dq_rows, dq_keys = config.dq_tiles

@@ -485,5 +485,45 @@ def test_backward_temp_memory_is_linear_in_length():
   assert large < scores_16k // 100, (small, large)
 
 
+def test_q_splits_sum_the_same_gradients(interpret, rng):
+  """BackwardConfig.q_splits: the dK/dV kernel's query range split over programs whose
+  float32 partial sums XLA adds in a fixed order: the same gradients as one program per
+  key block (to float32 rounding), the same bits run to run, with a window and GQA."""
+  q, k, v, d_out = _inputs(rng, 2, 45, 38, 6, 2, 64, F32)
+  bias = random_array(rng, (1, 6, 45, 38), F32)
+  kwargs = dict(is_causal=True, local_window_size=(20, 0), causal_alignment="top_left")
+
+  def grads(q_splits):
+    config = BackwardConfig(16, 16, q_splits=q_splits)
+    f = lambda q, k, v, bias: jnp.sum(prefill_attention(
+        q, k, v, bias=bias, config=PrefillConfig(16, 16), backward_config=config,
+        interpret=interpret, **kwargs) * d_out)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+
+  one, three = grads(1), grads(3)
+  for a, b in zip(one, three):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  for a, b in zip(three, grads(3)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_q_splits_default():
+  """The automatic split: only where the dK/dV grid leaves the SMs less than two programs
+  each, at most MAX_Q_SPLITS and never more than the query blocks; a set value is kept."""
+  from jaxflash import configs
+  from jaxflash.device import DeviceInfo
+  h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 227 * 1024)
+  auto = BackwardConfig(64, 64)
+  assert configs.backward_q_splits(auto, 1 * 2 * 64, 64, h200) == 3  # B=1, K=2, n=4096
+  assert configs.backward_q_splits(auto, 1 * 2 * 256, 256, h200) == 1  # n=16384: enough
+  assert configs.backward_q_splits(auto, 2, 64, h200) == configs.MAX_Q_SPLITS
+  assert configs.backward_q_splits(auto, 2, 2, h200) == 2
+  assert configs.backward_q_splits(BackwardConfig(64, 64, q_splits=1), 2, 64, h200) == 1
+  q = jnp.zeros((1, 16, 2, 64), F32)
+  with pytest.raises(ValueError, match="q_splits"):
+    jax.grad(lambda q: jnp.sum(prefill_attention(
+        q, q[:, :, :1], q[:, :, :1], backward_config=BackwardConfig(16, 16, q_splits=0))))(q)
+
+
 if __name__ == "__main__":
   _sharded_cases()
