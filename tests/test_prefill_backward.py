@@ -422,14 +422,15 @@ def test_bad_backward_configs_are_refused(config, error, match):
 
 def test_sharded_gradients_cpu_mesh():
   """On 4 forced CPU devices: gradients keep the inputs' batch/head splits, match one
-  device's, and the compiled program has no all-gather (subprocess: see `_sharded_cases`)."""
+  device's, and the compiled program has no all-gather, also with a bias, sinks, a window
+  and a soft-cap (subprocess: see `_sharded_cases`)."""
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-m", "tests.test_prefill_backward"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   results = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert {r["layout"] for r in results} == {"heads", "both", "kv_replicated"}
+  assert {r["layout"] for r in results} == {"heads", "both", "kv_replicated", "options"}
   for r in results:
     assert r["err"] <= 2e-5, r
     assert r["dq_spec"] == r["want_q_spec"] and r["dk_spec"] == r["want_k_spec"], r
@@ -444,12 +445,16 @@ def _sharded_cases():
   results = []
   layouts = {"heads": ((4,), ("model",), None, "model", 4),
              "both": ((2, 2), ("data", "model"), "data", "model", 4),
-             "kv_replicated": ((4,), ("model",), None, "model", 2)}
+             "kv_replicated": ((4,), ("model",), None, "model", 2),
+             "options": ((2, 2), ("data", "model"), "data", "model", 4)}
   for name, (shape, axes, batch_axis, head_axis, kv_heads) in layouts.items():
     q, k, v, d_out = _inputs(rng, 4, 8, 24, 8, kv_heads, 16, F32)
     lengths = jnp.array([8, 5, 8, 1], jnp.int32), jnp.array([24, 9, 0, 17], jnp.int32)
+    options = {} if name != "options" else dict(
+        bias=random_array(rng, (4, 8, 8, 24), F32), sinks=random_array(rng, (8,), F32),
+        local_window_size=(6, 0), logits_soft_cap=3.0, causal_alignment="bottom_right")
     loss = lambda q, k, v, ql, kl: jnp.sum(jaxflash.attention(
-        q, k, v, is_causal=True, query_seq_lengths=ql, key_value_seq_lengths=kl) * d_out)
+        q, k, v, is_causal=True, query_seq_lengths=ql, key_value_seq_lengths=kl, **options) * d_out)
     grad = jax.jit(jax.grad(loss, (0, 1, 2)))
     want = [np.asarray(x) for x in grad(q, k, v, *lengths)]
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(shape), axes)
