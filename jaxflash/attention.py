@@ -294,9 +294,9 @@ def _differentiable(forward, query, key, value, q_lengths, kv_lengths, *, mods: 
   kernel = functools.partial(prefill_backward.backward_kernels, mods=mods, config=config,
                              interpret=None)
 
-  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, scale):
+  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
     return sharding.prefill_backward(kernel, q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
-                                     bias=bias, mask=mask, scale=scale)
+                                     bias=bias, mask=mask, sinks=sinks, scale=scale)
 
   return prefill_backward.differentiable(
       forward, backward, query, key, value, q_lengths, kv_lengths, bias=bias, mask=mask,

@@ -266,10 +266,10 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     return prefill_forward(q, k, v, q_len, kv_len, bias=bias, mask=mask, scale=scale, sinks=sinks,
                            mods=mods, return_residual=with_lse, config=config, interpret=interpret)
 
-  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, scale):
+  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
     return prefill_backward.backward_kernels(q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
-                                             bias=bias, mask=mask, scale=scale, mods=mods,
-                                             config=backward_config, interpret=interpret)
+                                             bias=bias, mask=mask, sinks=sinks, scale=scale,
+                                             mods=mods, config=backward_config, interpret=interpret)
 
   return prefill_backward.differentiable(forward, backward, query, key, value, q_lengths, kv_lengths,
                                          bias=bias, mask=mask, sinks=sinks, scale=scale,

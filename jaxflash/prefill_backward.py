@@ -54,7 +54,7 @@ from jaxflash.configs import BackwardConfig
 from jaxflash.prefill import APPROX_EXP2, MIN_BLOCK, _block_size, _load_tile, _operand_spec
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import ScoreMods, soft_cap, window_size
-from jaxflash.sharding import manual_axes, result_struct
+from jaxflash.sharding import like_primal, manual_axes, result_struct
 
 
 def _lengths(mods: ScoreMods, q_lengths_ref, kv_lengths_ref, seq_q: int, seq_kv: int):
@@ -354,10 +354,11 @@ def _grouped_spec(x, group: int, q_splits: int):
 
 
 def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, d_lse, *, bias,
-                     mask, scale, mods: ScoreMods, config: BackwardConfig, interpret):
+                     mask, scale, mods: ScoreMods, config: BackwardConfig, interpret, sinks=None):
   """The launches, on checked arguments (shapes as `prefill_backward`; bias/mask rank 4,
   scale float32 []). Returns (dq, dk, dv, ds): ds the float32 [B, N, T, S] gradient of the
-  scores before the bias is added (None without a bias)."""
+  scores before the bias is added (None without a bias). The kernels read the sinks
+  through the LSE only; `sinks` is for the plain-JAX stand-in inside jax.shard_map."""
   batch, seq_q, num_heads, head_dim = query.shape
   seq_kv, num_kv_heads = key.shape[1], key.shape[2]
   if 0 in (batch, seq_q, num_heads, head_dim) or seq_kv == 0:
@@ -368,7 +369,7 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
     # Interpreted inside jax.shard_map with check_vma on, as the forward (jaxflash/prefill.py):
     # the plain-JAX reference's gradients stand in for the kernels'.
     return _reference_grads(query, key, value, q_lengths, kv_lengths, d_out, d_lse, bias=bias,
-                            mask=mask, scale=scale, mods=mods)
+                            mask=mask, sinks=sinks, scale=scale, mods=mods)
 
   # The pre-pass (XLA, fused): delta and the base-2 LSE, transposed to [B, N, T] so each
   # program's rows are contiguous. An LSE of -inf (nothing to attend) becomes +inf: P = 0.
@@ -523,24 +524,22 @@ def option_grads(query, dq, lse, delta_parts, *, bias, sinks, scale, ds):
   return d_bias, d_sinks, d_scale
 
 
-def _reference_grads(query, key, value, q_lengths, kv_lengths, d_out, d_lse, *, bias, mask, scale,
-                     mods: ScoreMods):
-  """backward_kernels' results by differentiating the plain-JAX reference."""
+def _reference_grads(query, key, value, q_lengths, kv_lengths, d_out, d_lse, *, bias, mask, sinks,
+                     scale, mods: ScoreMods):
+  """backward_kernels' results by differentiating the plain-JAX reference (the bias taken
+  at full size [B, N, T, S], so its gradient is ds itself)."""
+  scores_shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+  full_bias = None if bias is None else jnp.broadcast_to(bias.astype(jnp.float32), scores_shape)
+
   def forward(q, k, v, bias):
     return attention_reference(
         q, k, v, bias, mask, scale=scale, is_causal=mods.is_causal, query_seq_lengths=q_lengths,
         key_value_seq_lengths=kv_lengths, local_window_size=mods.window,
-        logits_soft_cap=mods.logits_soft_cap, causal_alignment=mods.causal_alignment)
+        logits_soft_cap=mods.logits_soft_cap, sinks=sinks, causal_alignment=mods.causal_alignment)
 
-  (out, lse), vjp = jax.vjp(forward, query, key, value, bias)
+  (out, lse), vjp = jax.vjp(forward, query, key, value, full_bias)
   d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse.astype(lse.dtype)
-  dq, dk, dv, d_bias = vjp((d_out.astype(out.dtype), d_lse))
-  ds = None
-  if bias is not None:
-    ds = jnp.broadcast_to(d_bias.astype(jnp.float32), (*query.shape[:1], query.shape[2],
-                                                       query.shape[1], key.shape[1]))
-    ds = ds / (ds.size // max(d_bias.size, 1))  # spread evenly: the sum over broadcast axes is exact
-  return dq, dk, dv, ds
+  return vjp((d_out.astype(out.dtype), d_lse))
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "local_window_size", "logits_soft_cap",
@@ -580,7 +579,7 @@ def prefill_backward(query, key, value, out, lse, d_out, d_lse=None, query_seq_l
   config = resolve_config(config, head_dim, jnp.promote_types(query.dtype, key.dtype))
   dq, dk, dv, ds = backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, d_lse,
                                     bias=bias, mask=mask, scale=scale, mods=mods, config=config,
-                                    interpret=interpret)
+                                    interpret=interpret, sinks=sinks)
   d_bias, d_sinks, d_scale = option_grads(query, dq, lse, (out, d_out, d_lse), bias=bias,
                                           sinks=sinks, scale=scale, ds=ds)
   grads = dict(dq=dq, dk=dk, dv=dv, d_scale=d_scale)
@@ -637,7 +636,7 @@ def differentiable(forward: Callable, backward: Callable, query, key, value, q_l
 
   forward(q, k, v, q_lengths, kv_lengths, bias, mask, sinks, scale, with_lse) -> out, or
   (out, lse) when with_lse; backward(q, k, v, q_lengths, kv_lengths, out, lse, d_out, d_lse,
-  bias, mask, scale) -> (dq, dk, dv, ds), ds the float32 [B, N, T, S] score gradient (None
+  bias, mask, sinks, scale) -> (dq, dk, dv, ds), ds the float32 [B, N, T, S] score gradient (None
   without a bias). bias/mask rank 4, sinks float32 [N], scale float32 [] (checked).
   Not differentiated, only forward(..., return_residual) runs: the forward is exactly as
   fast as without the VJP. Differentiated, the residuals are the inputs, out and the LSE
@@ -663,10 +662,12 @@ def differentiable(forward: Callable, backward: Callable, query, key, value, q_l
   def attend_bwd(residuals, cotangent):
     q, k, v, bias, sinks, scale, q_len, kv_len, mask, out, lse = residuals
     d_out, d_lse = cotangent if return_residual else (cotangent, None)
-    dq, dk, dv, ds = backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, scale)
+    dq, dk, dv, ds = backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale)
     d_bias, d_sinks, d_scale = option_grads(q, dq, lse, (out, d_out, d_lse), bias=bias, sinks=sinks,
                                             scale=scale, ds=ds)
-    return dq, dk, dv, d_bias, d_sinks, d_scale, None, None, None
+    grads = (dq, dk, dv, d_bias, d_sinks, d_scale)
+    grads = tuple(like_primal(g, x) for g, x in zip(grads, (q, k, v, bias, sinks, scale)))
+    return (*grads, None, None, None)
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend(query, key, value, bias, sinks, scale, q_lengths, kv_lengths, mask)

@@ -100,14 +100,14 @@ def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_len
 
 
 def prefill_backward(kernel, query, key, value, query_seq_lengths, key_value_seq_lengths, out, lse,
-                     d_out, d_lse=None, *, bias=None, mask=None, scale=None):
+                     d_out, d_lse=None, *, bias=None, mask=None, sinks=None, scale=None):
   """kernel(query, key, value, q_lengths, kv_lengths, out, lse, d_out, d_lse, bias=, mask=,
-  scale=) -> (dq, dk, dv, ds), sharding-aware: the gradients keep the inputs' batch and
+  sinks=, scale=) -> (dq, dk, dv, ds), sharding-aware: the gradients keep the inputs' batch and
   head splits (dq the query's, dk and dv the keys', ds [B, N, T, S] the batch's and query
   heads'; ds None without a bias). Where key/value are replicated over the head axes (fewer
   KV heads than devices), each device's dK/dV covers its query heads only and the devices'
   parts are summed: the one collective the math needs."""
-  options = dict(bias=bias, mask=mask, scale=scale)
+  options = dict(bias=bias, mask=mask, sinks=sinks, scale=scale)
   result_dims = GRADIENTS if bias is None else GRADIENTS + (SCORE_GRADIENT,)
 
   def run(*args, **kw):
@@ -139,6 +139,25 @@ def manual_axes() -> tuple[str, ...]:
   """Mesh axes the caller is manual over (inside `jax.shard_map`); () outside."""
   get = getattr(jax.sharding, "get_abstract_mesh", None)
   return tuple(getattr(get(), "manual_axes", ())) if get is not None else ()
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes (inside `jax.shard_map`, check_vma on) an array varies over."""
+  aval = jax.typeof(x)
+  axis_type = getattr(aval, "manual_axis_type", None)  # jax 0.10 and later
+  if axis_type is not None:
+    return frozenset(axis_type.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def like_primal(cotangent, primal):
+  """A cotangent summed over the manual axes it varies over and its primal does not (inside
+  `jax.shard_map`: the gradient of a replicated input is the sum of every device's part,
+  and a custom VJP must say so itself); unchanged elsewhere."""
+  if cotangent is None or not manual_axes():
+    return cotangent
+  extra = varying_axes(cotangent) - varying_axes(primal)
+  return lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
 def result_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:

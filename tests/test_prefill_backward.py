@@ -8,6 +8,7 @@ them multi-block loops, so the unmasked loops, the diagonal blocks and the ragge
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -372,7 +373,7 @@ def test_the_forward_is_pluggable(rng):
     return attention_reference(q, k, v, bias, mask, scale=scale, is_causal=True, sinks=sinks,
                                query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
 
-  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, scale):
+  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
     return prefill_backward.backward_kernels(q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
                                              bias=bias, mask=mask, scale=scale, mods=mods,
                                              config=BackwardConfig(16, 16), interpret=True)
@@ -528,6 +529,31 @@ def test_q_splits_default():
   with pytest.raises(ValueError, match="q_splits"):
     jax.grad(lambda q: jnp.sum(prefill_attention(
         q, q[:, :, :1], q[:, :, :1], backward_config=BackwardConfig(16, 16, q_splits=0))))(q)
+
+
+def test_gradients_inside_shard_map(rng):
+  """jax.grad inside jax.shard_map (check_vma on) with a bias and sinks: interpreted there
+  the plain-JAX reference stands in for the kernels (jaxflash/prefill.py says why); the
+  gradients equal the xla path's outside."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  q, k, v, d_out = _inputs(rng, 2, 12, 17, 4, 2, 32, F32)
+  bias = random_array(rng, (1, 4, 12, 17), F32)
+  sinks = random_array(rng, (4,), F32)
+
+  def loss(q, k, v, bias, sinks, implementation=None):
+    out = jaxflash.attention(q, k, v, bias, is_causal=True, sinks=sinks, implementation=implementation)
+    return jnp.sum(out * d_out)
+
+  mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+  mapped = jax.jit(jax.shard_map(lambda *a: grad(*a), mesh=mesh,
+                                 in_specs=(P("data"),) * 3 + (P(), P()),
+                                 out_specs=(P("data"),) * 3 + (P(), P())))
+  got = mapped(q, k, v, bias, sinks)
+  want = jax.grad(functools.partial(loss, implementation="xla"), argnums=(0, 1, 2, 3, 4))(
+      q, k, v, bias, sinks)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
 
 
 if __name__ == "__main__":
