@@ -6,7 +6,8 @@ Decode-step fusions for Llama / Qwen-style layers live in `jaxflash.fused` (thei
 are re-exported here).
 """
 from jaxflash.attention import IMPLEMENTATIONS, attention
-from jaxflash.configs import DecodeConfig, PrefillConfig, decode_config, num_splits, prefill_config
+from jaxflash.configs import (BackwardConfig, DecodeConfig, PrefillConfig, backward_config, decode_config,
+                              num_splits, prefill_config)
 from jaxflash.decode import SplitKV, decode_attention
 from jaxflash.device import DeviceInfo, device_info
 from jaxflash.fused import (LinearConfig, add_rms_norm, kv_cache_write, project_split_kv, qkv_projection,
@@ -22,6 +23,6 @@ __all__ = [
     "DecodeConfig",
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
-    "SplitKV", "project_split_kv",
+    "SplitKV", "project_split_kv", "BackwardConfig", "backward_config",
 ]
 __version__ = "0.1.0"

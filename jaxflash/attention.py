@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxflash import _checks, sharding
+from jaxflash import _checks, configs, sharding
 from jaxflash._triton import use_interpret
 from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods, soft_cap, window_size
@@ -49,6 +49,13 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   options it lacks). Kernel chosen: one query token whose position is its sequence's last
   (bottom-right, or no causal mask and no window) -> split-KV decode (paged decode with
   `block_table`), otherwise the FlashAttention-2 prefill kernel.
+
+  Differentiable (jax.grad, jax.vjp, under jit, vmap, checkpoint, scan and on a mesh) with
+  every option: the prefill and one-token decode paths, whichever forward kernel runs
+  (Pallas-Triton or Mosaic GPU), are differentiated by the FlashAttention-2 backward kernels
+  (jaxflash/prefill_backward.py), which give the gradients of query, key, value, bias,
+  sinks and a traced scale; paged decode raises NotImplementedError when differentiated,
+  as do second derivatives; jax.jvp raises JAX's custom_vjp error.
 
   Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
   and KV heads K over the same mesh axes); each device runs the kernel on its shard, with
@@ -193,18 +200,18 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     from jaxflash.mosaic import prefill_attention as mosaic_prefill
     kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
                                return_residual=True)
-    result = sharding.prefill(kernel, query, key, value, q_lengths, kv_lengths)
-  elif (_decode_semantics(query, q_lengths, mods)
+    # The Mosaic forward, differentiated by the Triton backward: its out and LSE are the
+    # ones `prefill_attention` returns (mosaic_reason let only bottom-right semantics here).
+    result = _differentiable(
+        lambda q, k, v, q_len, kv_len, *_: sharding.prefill(kernel, q, k, v, q_len, kv_len),
+        query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale)
+  elif (static_scale is not None and _decode_semantics(query, q_lengths, mods)
         and not (sharding.manual_axes() and use_interpret())):
     # (Interpreted inside jax.shard_map, the prefill path's stand-in serves: see prefill.py.)
     # Only the options given reach the decode kernels (each a keyword they take): the
     # arrays as operands, the static ones bound here.
     given = {name: x for name, x in options.items() if x is not None}
-    static = dict(return_residual=True)
-    if static_scale is not None:
-      static["scale"] = static_scale  # compiled in
-    else:
-      given["scale"] = _checks.scale_operand(scale, head_dim)  # a traced scale: an operand
+    static = dict(scale=static_scale, return_residual=True)
     if mods.window is not None:
       static["local_window_size"] = mods.window
     if mods.logits_soft_cap is not None:
@@ -212,28 +219,46 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     if paged:
       from jaxflash.paged import paged_decode_attention
       kernel = functools.partial(paged_decode_attention, **static)
-      result = sharding.paged(kernel, query, key, value, kv_lengths, block_table, **given)
+      run = _not_differentiable(lambda *arrays: sharding.paged(kernel, *arrays[:5], **dict(
+          zip(given, arrays[5:]))), "paged decode (block_table)")
+      result = run(query, key, value, kv_lengths, block_table, *given.values())
     else:
       from jaxflash.decode import decode_attention
       kernel = functools.partial(decode_attention, **static)
-      result = sharding.decode(kernel, query, key, value, kv_lengths, **given)
+      # One query token at its sequence's last position: its gradient is the prefill
+      # backward's with T = 1 (the same math).
+      def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
+        del q_len, scale, with_lse
+        arrays = {name: x for name, x in dict(bias=bias, mask=mask, sinks=sinks).items()
+                  if x is not None}
+        return sharding.decode(kernel, q, k, v, kv_len, **arrays)
+      result = _differentiable(forward, query, key, value, None, kv_lengths, mods=mods,
+                               scale=static_scale, **options)
   elif paged and _paged_prefill_serves(mods, static_scale, options):
     from jaxflash.paged_prefill import paged_prefill_attention
     kernel = functools.partial(paged_prefill_attention, scale=static_scale,
                                is_causal=mods.is_causal, return_residual=True)
-    result = sharding.paged_prefill(kernel, query, key, value, kv_lengths, block_table, q_lengths)
+    run = _not_differentiable(lambda *arrays: sharding.paged_prefill(kernel, *arrays),
+                              "paged prefill (block_table)")
+    result = run(query, key, value, kv_lengths, block_table, q_lengths)
   else:
     if paged:
       # What the paged kernels do not take (a top-left position, a traced scale, or options
       # with T > 1): the prefill kernel over the gathered pages.
       key, value = gather_pages(key, block_table), gather_pages(value, block_table)
-    from jaxflash.prefill import prefill_attention
-    kernel = functools.partial(
-        prefill_attention, is_causal=mods.is_causal, local_window_size=mods.window,
-        logits_soft_cap=mods.logits_soft_cap, causal_alignment=mods.causal_alignment,
-        return_residual=True)
-    result = sharding.prefill(kernel, query, key, value, q_lengths, kv_lengths,
-                              scale=_checks.scale_operand(scale, head_dim), **options)
+    from jaxflash.prefill import prefill_forward
+    config = configs.prefill_config(head_dim, jnp.promote_types(query.dtype, key.dtype))
+
+    def kernel(q, k, v, q_len, kv_len, *, bias=None, mask=None, sinks=None, scale):
+      return prefill_forward(q, k, v, q_len, kv_len, bias=bias, mask=mask, scale=scale, sinks=sinks,
+                             mods=mods, return_residual=True, config=config, interpret=None)
+
+    def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
+      del with_lse
+      return sharding.prefill(kernel, q, k, v, q_len, kv_len, bias=bias, mask=mask, sinks=sinks,
+                              scale=scale)
+    result = _differentiable(forward, query, key, value, q_lengths, kv_lengths, mods=mods,
+                             scale=scale, **options)
   return _finish(result, return_residual, unbatched)
 
 
@@ -279,6 +304,41 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
       query, key, value, bias, mask, scale=scale, is_causal=mods.is_causal,
       query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
       local_window_size=mods.window, implementation="cudnn")
+
+
+def _differentiable(forward, query, key, value, q_lengths, kv_lengths, *, mods: ScoreMods, scale,
+                    bias=None, mask=None, sinks=None):
+  """forward(q, k, v, q_lengths, kv_lengths, bias, mask, sinks, scale, with_lse) -> (out, lse),
+  differentiated by the FlashAttention-2 backward kernels (jaxflash/prefill_backward.py) with
+  the call's options; both sharding-aware. The forward is pluggable: any kernel with the
+  reference's out and LSE for `mods` (the Triton or Mosaic prefill, the decode kernels)."""
+  from jaxflash import prefill_backward
+  head_dim = query.shape[-1]
+  config = prefill_backward.resolve_config(None, head_dim, jnp.promote_types(query.dtype, key.dtype))
+  kernel = functools.partial(prefill_backward.backward_kernels, mods=mods, config=config,
+                             interpret=None)
+
+  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
+    return sharding.prefill_backward(kernel, q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
+                                     bias=bias, mask=mask, sinks=sinks, scale=scale)
+
+  return prefill_backward.differentiable(
+      forward, backward, query, key, value, q_lengths, kv_lengths, bias=bias, mask=mask,
+      sinks=sinks, scale=_checks.scale_operand(scale, head_dim), return_residual=True)
+
+
+def _not_differentiable(fn, path: str):
+  """fn, raising NotImplementedError (naming `path`) where JAX would differentiate it."""
+  wrapped = jax.custom_jvp(fn)
+
+  def no_jvp(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(
+        f"jaxflash.attention: {path} is not differentiable; differentiate a contiguous cache "
+        "or the prefill path, or use implementation='xla'")
+
+  wrapped.defjvp(no_jvp)
+  return wrapped
 
 
 def _finish(result, return_residual: bool, unbatched: bool):

@@ -171,8 +171,97 @@ def all_configs():
     yield from ((gen, c) for c in candidates)
   for (gen, _), candidates in [*_DECODE.items(), *_PAGED.items()]:
     yield from ((gen, c) for c in candidates)
-  for c in [*_PREFILL_FP32, *_PREFILL_LAST, *_DECODE_FP32, *_DECODE_LAST]:
+  for (gen, *_), candidates in _BACKWARD.items():
+    yield from ((gen, c) for c in candidates)
+  for c in [*_PREFILL_FP32, *_PREFILL_LAST, *_DECODE_FP32, *_DECODE_LAST, *_BACKWARD_FP32,
+            *_BACKWARD_LAST]:
     yield None, c
+
+
+# ----------------------------------------------------------------------------- backward
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Tiles of the FlashAttention-2 backward (jaxflash/prefill_backward.py).
+
+  The dK/dV kernel keeps `block_k` keys (their K and V tiles and the dK and dV
+  accumulators) resident and streams `block_q` query rows (Q and dO tiles) past them; the
+  dQ kernel keeps `dq_block_q` query rows resident (Q, dO, the dQ accumulator) and streams
+  `dq_block_k` keys (default: the dK/dV tiles swapped, block_k rows and block_q keys). Each
+  stages its resident pair once and a streamed pair per stage:
+
+      bytes = itemsize * head_dim_padded * (2 * resident + stages * 2 * streamed) + reserve
+
+  q_splits: how many programs share each key block's query range in the dK/dV kernel (each
+  writes float32 partial dK/dV, summed in a fixed order by XLA: deterministic). None
+  chooses (`backward_q_splits`): more than one only where B * K * ceil(S / block_k)
+  programs would fill the SMs less than twice.
+  """
+
+  block_q: int
+  block_k: int
+  num_warps: int = 4
+  num_stages: int = 2
+  dq_block_q: int | None = None
+  dq_block_k: int | None = None
+  q_splits: int | None = None
+
+  @property
+  def dq_tiles(self) -> tuple[int, int]:
+    """(query rows, keys) of the dQ kernel."""
+    return (self.dq_block_q or self.block_k, self.dq_block_k or self.block_q)
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    per_row = itemsize * padded_head_dim(head_dim)
+    rows, keys = self.dq_tiles
+    return per_row * max(2 * self.block_k + self.num_stages * 2 * self.block_q,
+                         2 * rows + self.num_stages * 2 * keys) + RESERVE_BYTES
+
+
+MAX_Q_SPLITS = 4
+
+
+def backward_q_splits(config: BackwardConfig, programs: int, query_blocks: int,
+                      info: DeviceInfo | None = None) -> int:
+  """The dK/dV kernel's split of each key block's query range: config.q_splits if set,
+  else enough to give the SMs two programs each (at most MAX_Q_SPLITS, never more than the
+  query blocks). programs: B * K * ceil(S / block_k), the grid without a split."""
+  if config.q_splits is not None:
+    return config.q_splits
+  sm_count = (info or device_info()).sm_count
+  if programs >= 2 * sm_count:
+    return 1
+  return max(1, min(MAX_Q_SPLITS, -(-2 * sm_count // max(programs, 1)), query_blocks))
+
+
+B = BackwardConfig
+# Hopper rows: the fwd+bwd sweep on the H200 at n = 4096 and 16384 (bench/train.py, B = 1,
+# 12 q / 2 KV heads, d = 128, bf16; 2026-12-01): 64 x 64 tiles, 4 warps, 2 stages read 199
+# and 415 TFLOP/s against 143 and 362 for 64 x 128 x 8 warps. Small key tiles matter: the
+# dK/dV grid has only B * K * S / block_k programs. Ampere and Ada rows keep the shapes
+# with the stage counts their budgets allow.
+_BACKWARD = {
+    ("hopper", 64, 2): [B(64, 64, 4, 2), B(32, 64, 4, 2)],
+    ("hopper", 128, 2): [B(64, 64, 4, 2), B(32, 64, 4, 3), B(32, 64, 4, 2)],
+    ("hopper", 256, 2): [B(32, 64, 4, 2), B(16, 64, 4, 2), B(16, 32, 4, 2)],
+    ("ada", 64, 2): [B(32, 128, 4, 2), B(32, 64, 4, 2)],
+    ("ada", 128, 2): [B(32, 64, 4, 2), B(16, 64, 4, 2)],
+    ("ada", 256, 2): [B(16, 32, 4, 2), B(16, 16, 4, 1)],
+    ("ampere", 64, 2): [B(64, 128, 8, 2), B(32, 64, 4, 2)],
+    ("ampere", 128, 2): [B(32, 128, 4, 2), B(32, 64, 4, 2), B(16, 64, 4, 2)],
+    ("ampere", 256, 2): [B(16, 64, 4, 2), B(16, 32, 4, 2)],
+}
+_BACKWARD_FP32 = [B(32, 64, 4, 2), B(16, 32, 4, 2), B(16, 16, 4, 1)]
+_BACKWARD_LAST = [B(16, 32, 4, 2), B(16, 16, 4, 1)]
+
+
+def backward_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> BackwardConfig:
+  """The tuned backward config for this head dim and dtype on `info` (default: this GPU)."""
+  info = info or device_info()
+  itemsize = jnp.dtype(dtype).itemsize
+  table = _BACKWARD_FP32 if itemsize > 2 else _BACKWARD.get(
+      (_generation_key(info), _bucket(head_dim), itemsize), [])
+  return _first_fit([*table, *_BACKWARD_LAST], head_dim, itemsize, info, "backward")
 
 
 MIN_CHUNK_TOKENS = 64  # one tile: shorter splits measured faster down to this (bench/NOTES.md)

@@ -208,12 +208,12 @@ def _block_size(limit: int, length: int) -> int:
 
 @functools.partial(
     jax.jit, static_argnames=("is_causal", "local_window_size", "logits_soft_cap", "causal_alignment",
-                              "return_residual", "config", "interpret"))
+                              "return_residual", "config", "backward_config", "interpret"))
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
                       bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
                       logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
                       return_residual=False, config: PrefillConfig | None = None,
-                      interpret: bool | None = None):
+                      backward_config=None, interpret: bool | None = None):
   """FlashAttention-2 forward pass.
 
   query [B, T, N, H]; key, value [B, S, K, H] with N a multiple of K (query head n reads
@@ -231,7 +231,13 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   softmax's denominator. Returns out [B, T, N, H] in the query's dtype, and with
   `return_residual` also the natural-log LSE [B, T, N] float32 (including the sink).
 
+  Differentiable (jax.grad, jax.vjp, under jit, vmap, checkpoint and scan): the
+  FlashAttention-2 backward (jaxflash/prefill_backward.py) gives the gradients of query,
+  key, value, bias, sinks and scale, for every option; not differentiated, only this
+  forward runs.
+
   config: tiles, warps and stages (default: `jaxflash.prefill_config(H, dtype)`).
+  backward_config: the backward's (default: `jaxflash.backward_config(H, dtype)`).
   interpret: run the kernel in Pallas interpret mode (default: when there is no GPU).
   """
   _checks.check_qkv(query, key, value)
@@ -253,9 +259,21 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   else:
     _check_config(config)
     configs.check_fits(config, head_dim, tile_dtype)
-  return prefill_forward(query, key, value, q_lengths, kv_lengths, bias=bias, mask=mask,
-                         scale=scale, sinks=sinks, mods=mods, return_residual=return_residual,
-                         config=config, interpret=interpret)
+  from jaxflash import prefill_backward  # it imports this module's helpers
+  backward_config = prefill_backward.resolve_config(backward_config, head_dim, tile_dtype)
+
+  def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
+    return prefill_forward(q, k, v, q_len, kv_len, bias=bias, mask=mask, scale=scale, sinks=sinks,
+                           mods=mods, return_residual=with_lse, config=config, interpret=interpret)
+
+  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
+    return prefill_backward.backward_kernels(q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
+                                             bias=bias, mask=mask, sinks=sinks, scale=scale,
+                                             mods=mods, config=backward_config, interpret=interpret)
+
+  return prefill_backward.differentiable(forward, backward, query, key, value, q_lengths, kv_lengths,
+                                         bias=bias, mask=mask, sinks=sinks, scale=scale,
+                                         return_residual=return_residual)
 
 
 def _operand_spec(x, block_q: int, num_q_blocks: int):

@@ -129,14 +129,40 @@ def query_range(mods: ScoreMods, first_key, last_key, shift, q_valid):
   return lo, jnp.maximum(hi, lo)
 
 
-def visible(mods: ScoreMods, rows, keys, shift, kv_valid):
-  """rows [R], keys [C] -> [R, C] bool: the structural mask (lengths, causal, window)."""
-  position = (rows + shift)[:, None]
-  ok = keys[None, :] < kv_valid
+def query_blocks(mods: ScoreMods, first_key, last_key, shift, q_valid, block_q: int):
+  """Query block bounds (lo, full_lo, full_hi, hi) for a block of keys (first_key..last_key,
+  inclusive), `key_blocks` seen from the keys: blocks [lo, full_lo) and [full_hi, hi) hold
+  rows that see part of the keys and run masked; every row of [full_lo, full_hi) sees them
+  all; the rest never see one. Row t sees every key when last_key - right <= t + shift and
+  t + shift <= first_key + left. Rows past q_valid in the last block are not masked here:
+  the backward gives them an LSE of +inf, so they add nothing."""
+  lo, hi = query_range(mods, first_key, last_key, shift, q_valid)
+  lo_block = lax.div(lo, block_q)
+  hi_block = lax.div(hi + (block_q - 1), block_q)
+  if mods.right is None:
+    full_lo_block = lo_block
+  else:
+    full_lo = jnp.maximum(last_key - mods.right - shift, 0)
+    full_lo_block = jnp.clip(lax.div(full_lo + (block_q - 1), block_q), lo_block, hi_block)
+  if mods.left is None:
+    full_hi_block = jnp.maximum(hi_block, full_lo_block)
+  else:
+    full_hi = jnp.minimum(first_key + mods.left - shift + 1, q_valid)
+    full_hi_block = jnp.clip(lax.div(jnp.maximum(full_hi, 0), block_q), full_lo_block, hi_block)
+  as_int = lambda x: jnp.asarray(x, jnp.int32)
+  return as_int(lo_block), as_int(full_lo_block), as_int(full_hi_block), as_int(hi_block)
+
+
+def visible(mods: ScoreMods, rows, keys, shift, kv_valid, *, transposed: bool = False):
+  """rows [R], keys [C] -> [R, C] bool: the structural mask (lengths, causal, window);
+  [C, R] with `transposed` (the dK/dV kernel's layout)."""
+  position = rows + shift
+  position, keys = (position[None, :], keys[:, None]) if transposed else (position[:, None], keys[None, :])
+  ok = keys < kv_valid
   if mods.right is not None:
-    ok &= keys[None, :] <= position + mods.right
+    ok &= keys <= position + mods.right
   if mods.left is not None:
-    ok &= keys[None, :] >= position - mods.left
+    ok &= keys >= position - mods.left
   return ok
 
 
@@ -160,3 +186,14 @@ def scores(mods: ScoreMods, qk, qk_scale, bias=None):
   if bias is not None:
     s = s + bias * (1. / cap)
   return jnp.tanh(s) * (cap * LOG2_E)
+
+
+def scores_grad(mods: ScoreMods, ds, s):
+  """dS with respect to the scaled, biased scores before the soft-cap: ds [R, C] float32
+  is the gradient at the capped scores, s the base-2 scores `scores` returned. Through
+  cap * tanh(x / cap) it is ds * (1 - tanh^2), tanh = s / (cap log2 e)."""
+  cap = mods.logits_soft_cap
+  if cap is None:
+    return ds
+  tanh = s * (1. / (cap * LOG2_E))
+  return ds * (1. - tanh * tanh)

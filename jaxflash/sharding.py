@@ -73,6 +73,14 @@ PAGED_OPERANDS = (("b", "t", "n", "h"),  # query [B, 1, N, H]
 PAGED_PREFILL_OPERANDS = PAGED_OPERANDS + (("b",),)  # + query_seq_lengths [B]
 RESULTS = (("b", "t", "n", "h"),  # out [B, T, N, H]
            ("b", "t", "n"))       # lse [B, T, N]
+BACKWARD_OPERANDS = DENSE_OPERANDS + (("b", "t", "n", "h"),  # out [B, T, N, H]
+                                      ("b", "t", "n"),       # lse [B, T, N]
+                                      ("b", "t", "n", "h"),  # d_out [B, T, N, H]
+                                      ("b", "t", "n"))       # d_lse [B, T, N]
+GRADIENTS = (("b", "t", "n", "h"),  # dq [B, T, N, H]
+             ("b", "s", "k", "h"),  # dk [B, S, K, H]
+             ("b", "s", "k", "h"))  # dv [B, S, K, H]
+SCORE_GRADIENT = ("b", "n", "t", "s")  # ds [B, N, T, S]: the bias's gradient before its reduction
 
 
 # Optional operands, passed to the kernel by keyword: bias and mask [B, N, T, S] (rank 4;
@@ -90,6 +98,27 @@ def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_len
   """
   return _call(kernel, DENSE_OPERANDS,
                (query, key, value, query_seq_lengths, key_value_seq_lengths), options)
+
+
+def prefill_backward(kernel, query, key, value, query_seq_lengths, key_value_seq_lengths, out, lse,
+                     d_out, d_lse=None, *, bias=None, mask=None, sinks=None, scale=None):
+  """kernel(query, key, value, q_lengths, kv_lengths, out, lse, d_out, d_lse, bias=, mask=,
+  sinks=, scale=) -> (dq, dk, dv, ds), sharding-aware: the gradients keep the inputs' batch and
+  head splits (dq the query's, dk and dv the keys', ds [B, N, T, S] the batch's and query
+  heads'; ds None without a bias). Where key/value are replicated over the head axes (fewer
+  KV heads than devices), each device's dK/dV covers its query heads only and the devices'
+  parts are summed: the one collective the math needs."""
+  options = dict(bias=bias, mask=mask, sinks=sinks, scale=scale)
+  result_dims = GRADIENTS if bias is None else GRADIENTS + (SCORE_GRADIENT,)
+
+  def run(*args, **kw):
+    results = kernel(*args, **{name: kw.get(name) for name in options})
+    return results[:3] if bias is None else results
+
+  results = _call(run, BACKWARD_OPERANDS,
+                  (query, key, value, query_seq_lengths, key_value_seq_lengths, out, lse, d_out, d_lse),
+                  options, result_dims)
+  return (*results, None) if bias is None else tuple(results)
 
 
 def decode(kernel, query, key, value, key_value_seq_lengths=None, **options):
@@ -121,6 +150,25 @@ def manual_axes() -> tuple[str, ...]:
   return tuple(getattr(get(), "manual_axes", ())) if get is not None else ()
 
 
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes (inside `jax.shard_map`, check_vma on) an array varies over."""
+  aval = jax.typeof(x)
+  axis_type = getattr(aval, "manual_axis_type", None)  # jax 0.10 and later
+  if axis_type is not None:
+    return frozenset(axis_type.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def like_primal(cotangent, primal):
+  """A cotangent summed over the manual axes it varies over and its primal does not (inside
+  `jax.shard_map`: the gradient of a replicated input is the sum of every device's part,
+  and a custom VJP must say so itself); unchanged elsewhere."""
+  if cotangent is None or not manual_axes():
+    return cotangent
+  extra = varying_axes(cotangent) - varying_axes(primal)
+  return lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
 def result_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
   """A kernel result's ShapeDtypeStruct. Inside `jax.shard_map` with `check_vma` on, a
   `pallas_call`'s results must say which manual axes they vary over: every axis any of
@@ -143,9 +191,9 @@ def _option_dims(name: str, x) -> tuple[str, ...]:
   return tuple(d if size != 1 else f"{d}1" for d, size in zip(OPTION_DIMS[name], x.shape))
 
 
-def _call(kernel, operand_dims, operands, options=None):
+def _call(kernel, operand_dims, operands, options=None, result_dims=RESULTS):
   """kernel(*operands, **options) as one custom-partitioned call (operands named by
-  operand_dims, options by OPTION_DIMS)."""
+  operand_dims, options by OPTION_DIMS, its results by result_dims)."""
   options = {name: x for name, x in (options or {}).items() if x is not None}
   if jax.device_count() == 1 or manual_axes():
     # Nothing to partition: on one device, or per device inside jax.shard_map (the caller
@@ -170,11 +218,11 @@ def _call(kernel, operand_dims, operands, options=None):
   # decode_shardings=False: the callbacks get the operands' shardings as XLA has them and
   # read them with `_as_named`, which returns None (rather than failing, as the built-in
   # decoding does) for one no PartitionSpec expresses.
-  callbacks = dict(partition=functools.partial(_partition, run, dims, heads),
-                   sharding_rule=_sharding_rule(dims), decode_shardings=False)
+  callbacks = dict(partition=functools.partial(_partition, run, dims, heads, result_dims),
+                   sharding_rule=_sharding_rule(dims, result_dims), decode_shardings=False)
   if "infer_sharding_from_operands" in inspect.signature(call.def_partition).parameters:
     # Only read by the GSPMD partitioner (jax_use_shardy_partitioner=False).
-    callbacks["infer_sharding_from_operands"] = functools.partial(_infer, dims, heads)
+    callbacks["infer_sharding_from_operands"] = functools.partial(_infer, dims, heads, result_dims)
   call.def_partition(**callbacks)
 
   # custom_partitioning has no batching rule: under jax.vmap, run the kernels' own (the
@@ -185,12 +233,12 @@ def _call(kernel, operand_dims, operands, options=None):
   def _(axis_size, in_batched, *arrays):
     del axis_size
     in_axes = tuple(0 if batched else None for batched in in_batched)
-    return jax.vmap(run, in_axes=in_axes)(*arrays), (True, True)
+    return jax.vmap(run, in_axes=in_axes)(*arrays), (True,) * len(result_dims)
 
   return batchable(*(operands[i] for i in present), *(options[name] for name in names))
 
 
-def _sharding_rule(dims) -> SdyShardingRule:
+def _sharding_rule(dims, result_dims) -> SdyShardingRule:
   """Shardy's view of the call: b, n and k pass through, every other factor replicates.
 
   Query heads n and KV heads k are separate factors on purpose. As the compound (k, g),
@@ -199,11 +247,11 @@ def _sharding_rule(dims) -> SdyShardingRule:
   `_partition` ties the two instead.
   """
   factors = []  # in order of first appearance: Shardy wants special factors sorted so
-  for names in dims + RESULTS:
+  for names in dims + result_dims:
     factors += [name for name in names if name not in factors]
   return SdyShardingRule(
       tuple(ArrayMapping(*names) for names in dims),
-      tuple(ArrayMapping(*names) for names in RESULTS),
+      tuple(ArrayMapping(*names) for names in result_dims),
       need_replication_factors=tuple(f for f in factors if f not in ("b", "n", "k")))
 
 
@@ -294,23 +342,37 @@ def _plan(mesh, dims, arg_shapes, heads: tuple[int, int]) -> _Plan:
   return _Plan(batch_axes, (), True)
 
 
-def _infer(dims, heads, mesh, arg_shapes, result_shape):
+def _infer(dims, heads, result_dims, mesh, arg_shapes, result_shape):
   """GSPMD propagation: the results' shardings from the operands'."""
   del result_shape
-  return _plan(mesh, dims, arg_shapes, heads).shardings(mesh, RESULTS)
+  return _plan(mesh, dims, arg_shapes, heads).shardings(mesh, result_dims)
 
 
-def _partition(run, dims, heads, mesh, arg_shapes, result_shape):
+def _partition(run, dims, heads, result_dims, mesh, arg_shapes, result_shape):
   """Operand and result shardings of the plan, and the per-device computation."""
   del result_shape  # Shardy's guess; the plan's results replace it (XLA reshards if needed)
   plan = _plan(mesh, dims, arg_shapes, heads)
 
   def per_device(*xs):
-    if plan.head_axes and not plan.kv_split:
-      # This device's N/d query heads all read KV head (device position) // (d / K).
-      kv_head = lax.axis_index(plan.head_axes) // plan.kv_share
-      xs = tuple(lax.dynamic_slice_in_dim(x, kv_head, 1, axis=names.index("k"))
-                 if "k" in names else x for x, names in zip(xs, dims))
-    return run(*xs)
+    if not (plan.head_axes and not plan.kv_split):
+      return run(*xs)
+    # This device's N/d query heads all read KV head (device position) // (d / K).
+    kv_head = lax.axis_index(plan.head_axes) // plan.kv_share
+    xs = tuple(lax.dynamic_slice_in_dim(x, kv_head, 1, axis=names.index("k"))
+               if "k" in names else x for x, names in zip(xs, dims))
+    results = run(*xs)
+    # A KV-head result (a gradient of replicated key/value) holds this device's share of
+    # one KV head: put it in place and sum the shares over the head axes.
+    return tuple(_scatter_sum(r, kv_head, names.index("k"), num_kv_heads, plan.head_axes)
+                 if "k" in names else r for r, names in zip(results, result_dims))
 
-  return mesh, per_device, plan.shardings(mesh, RESULTS), plan.shardings(mesh, dims)
+  num_kv_heads = heads[1]
+  return mesh, per_device, plan.shardings(mesh, result_dims), plan.shardings(mesh, dims)
+
+
+def _scatter_sum(part, index, axis: int, size: int, axes):
+  """part (size 1 along `axis`) placed at `index` in zeros of `size` there, summed over `axes`."""
+  shape = list(part.shape)
+  shape[axis] = size
+  full = lax.dynamic_update_slice_in_dim(jax.numpy.zeros(shape, part.dtype), part, index, axis)
+  return lax.psum(full, axes)

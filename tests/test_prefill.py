@@ -427,7 +427,8 @@ def test_loop_bounds_cover_exactly_the_visible_keys(mods):
   """score_mods' key and query ranges against the visible mask, by brute force: the key
   blocks a query block visits are those holding a key some row sees (no more, no fewer),
   and the blocks it runs unmasked hold only keys every row sees; `query_range` (for a pass
-  over queries per key block) gives exactly the rows that see a key of the block."""
+  over queries per key block) gives exactly the rows that see a key of the block, and
+  `query_blocks` the query blocks that hold them, unmasked only where every row sees all."""
   from jaxflash import score_mods
   mods = score_mods.ScoreMods(**mods)
   block = 4
@@ -449,3 +450,13 @@ def test_loop_bounds_cover_exactly_the_visible_keys(mods):
       lo, hi = (int(x) for x in score_mods.query_range(mods, first_key, last_key, shift, q_len))
       want = np.flatnonzero(seen[:, first_key:last_key + 1].any(axis=1))
       assert list(range(lo, hi)) == list(want) or (want.size == 0 and lo >= hi), (first_key, lo, hi, want)
+      # query_blocks (the dK/dV kernel's loops): every row that sees a key of the block is
+      # in a visited query block, and the blocks it runs unmasked see every key (rows past
+      # q_len are left to the LSE of +inf, so they are not asked to).
+      lo, full_lo, full_hi, hi = (int(x) for x in score_mods.query_blocks(
+          mods, jnp.int32(first_key), jnp.int32(last_key), shift, jnp.int32(q_len), block))
+      assert lo <= full_lo <= full_hi <= hi
+      assert all(lo * block <= r < hi * block for r in want), (first_key, lo, hi, want)
+      for i in range(full_lo, full_hi):
+        rows_i = np.arange(i * block, min((i + 1) * block, q_len))
+        assert seen[rows_i, first_key:last_key + 1].all(), (first_key, i)

@@ -1,0 +1,372 @@
+"""Training attention: forward + backward (gradients of q, k and v), jaxflash against its peers.
+
+Shapes: 12 query heads, 2 KV heads, head dim 128, bf16, causal; batch 1 at n = 1K ... 32K and
+batch 4 at 4096. Every implementation of a row runs in one process and one profiler
+session, timed on device time (the sum of the GPU kernels one call launches,
+bench/timing.py). A call is jax.vjp of the attention with a fixed cotangent: the forward and
+the backward. TFLOP/s count FLOPs as FlashAttention-2 does: the causal forward's
+4 n^2 d per head halved, times 3.5 (forward 1 + backward 2.5).
+
+Contenders: jaxflash (the Pallas-Triton forward and its FlashAttention-2 backward,
+jaxflash/prefill_backward.py), jaxflash_default (`jaxflash.attention`'s default path: on
+sm_90+ the Mosaic GPU forward with the same Triton backward), cuDNN
+(jax.nn, implementation="cudnn"), jax.nn "xla", JAX's Pallas `mha` with its own backward
+(no GQA: K/V repeated inside the call, so its dK/dV are reduced by XLA), and, when
+importable, FlashAttention-3 (flash_attn3_jax.flash_mha) and tokamax "mosaic". Also each
+one's peak scratch memory, a whole-model training step (Qwen2.5-0.5B shapes, random bf16
+weights, one sequence of 4K tokens: jaxflash vs cuDNN vs xla attention) and a sweep of the
+backward's BackwardConfig at n = 4096 and 16384.
+
+  python -m bench.train [--quick] [--no-sweep] [--sizes 1x4096,...] [--impls ...]
+                        [--grid full|splits] [--sweep-ns 4096,16384] [--no-model]    # GPU
+  python -m bench.train --smoke                                # tiny CPU run, interpret mode
+"""
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+# bench's modules by concept (timing, cli, report), read through one namespace here.
+from bench import cli as _cli, report as _report, timing as _timing  # noqa: E402
+common = types.SimpleNamespace(**{**vars(_timing), **vars(_report), **vars(_cli)},
+                               Budget=_cli.TimeLimit)
+LIMIT_OPTION = "time_limit_s"
+log = common.log
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
+DTYPE = jnp.bfloat16
+IMPLS = ("jaxflash", "jaxflash_default", "cudnn", "fa3", "tokamax", "pallas_mha", "xla")
+LABELS = {"jaxflash": "jaxflash", "jaxflash_default": "jaxflash default (Mosaic fwd on sm_90+)",
+          "cudnn": "cuDNN (jax.nn)", "fa3": "FlashAttention-3",
+          "tokamax": "tokamax mosaic", "pallas_mha": "JAX Pallas mha", "xla": "jax.nn xla"}
+MAX_N_XLA = 16384  # jax.nn "xla" keeps the n x n probabilities for its backward
+BACKWARD_FACTOR = 3.5  # FlashAttention-2: backward 2.5x the forward's FLOPs
+
+
+# ----------------------------------------------------------------------------- the contenders
+
+def jaxflash_attention(backward_config=None):
+  def attend(q, k, v):
+    from jaxflash.prefill import prefill_attention  # here: an import error is one cell's error
+    return prefill_attention(q, k, v, is_causal=True, backward_config=backward_config)
+  return attend
+
+
+def jaxflash_default_attention(q, k, v):
+  import jaxflash
+  return jaxflash.attention(q, k, v, is_causal=True)
+
+
+def cudnn_attention(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def xla_attention(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def pallas_mha_attention(q, k, v):
+  """JAX's Pallas-Triton flash attention and its own backward; no GQA, so K/V are repeated
+  to every query head inside the call (as a user must)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  group = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return pallas_attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True,
+                                interpret=not common.has_gpu())
+
+
+def fa3_attention(q, k, v):
+  import flash_attn3_jax
+  return flash_attn3_jax.flash_mha(q, k, v, is_causal=True)
+
+
+def tokamax_attention(q, k, v):
+  # tokamax imports xprof for its own benchmarking only: empty stand-ins let it import.
+  for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+    sys.modules.setdefault(name, types.ModuleType(name))
+  sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+  import tokamax
+  return tokamax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic")
+
+
+CONTENDERS = {"jaxflash": jaxflash_attention(), "jaxflash_default": jaxflash_default_attention,
+              "cudnn": cudnn_attention, "fa3": fa3_attention,
+              "tokamax": tokamax_attention, "pallas_mha": pallas_mha_attention, "xla": xla_attention}
+
+
+def forward_backward(attend):
+  """attend(q, k, v) -> its forward and backward: (q, k, v, d_out) -> (dq, dk, dv)."""
+  def run(q, k, v, d_out):
+    _, vjp = jax.vjp(attend, q, k, v)
+    return vjp(d_out)
+  return run
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def make_inputs(batch: int, n: int, seed: int = 0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(keys[0], (batch, n, NUM_HEADS, HEAD_DIM), DTYPE)
+  k = jax.random.normal(keys[1], (batch, n, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+  v = jax.random.normal(keys[2], (batch, n, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+  d_out = jax.random.normal(keys[3], (batch, n, NUM_HEADS, HEAD_DIM), DTYPE)
+  return q, k, v, d_out
+
+
+def train_flops(batch: int, n: int) -> float:
+  return BACKWARD_FACTOR * batch * NUM_HEADS * 4 * n * n * HEAD_DIM / 2
+
+
+def bench_row(batch: int, n: int, ceiling: float | None, budget, impls=IMPLS) -> dict:
+  """One (batch, n): every contender's forward + backward in one profiler session."""
+  row = {"batch": batch, "n": n, "errors": {}, "kernels": {}}
+  args = make_inputs(batch, n)
+  cases = {}
+  for impl in impls:
+    if impl == "xla" and n > MAX_N_XLA:
+      row["errors"][impl] = f"skipped: n > {MAX_N_XLA} (its n x n probabilities)"
+    elif budget.exhausted():
+      row["errors"][impl] = "skipped: time budget"
+    else:
+      cases[impl] = (forward_backward(CONTENDERS[impl]), args)
+  timings = common.device_times_us(cases, log=log)
+  flops = train_flops(batch, n)
+  for impl in impls:
+    t = timings.get(impl)
+    if isinstance(t, dict):
+      row["errors"][impl] = t["error"]
+    if not isinstance(t, common.Timing):
+      row[f"{impl}_tflops"] = None
+      continue
+    row[f"{impl}_us"] = t.us
+    row[f"{impl}_tflops"] = flops / (t.us * 1e-6) / 1e12
+    row[f"{impl}_pct"] = 100 * row[f"{impl}_tflops"] / ceiling if ceiling else None
+    row[f"{impl}_temp_mib"] = None if t.temp_bytes is None else t.temp_bytes / 2**20
+    row["kernels"][impl] = t.as_dict()
+    row["method"] = t.method
+  jf = row.get("jaxflash_tflops")
+  for other in ("cudnn", "pallas_mha", "fa3", "tokamax"):
+    theirs = row.get(f"{other}_tflops")
+    row[f"jf_over_{other}"] = jf / theirs if jf and theirs else None
+  del args
+  common.free_memory()
+  return row
+
+
+def sweep(n: int, ceiling: float | None, budget, grid) -> list[dict]:
+  """jaxflash fwd+bwd at n tokens (batch 1) for each BackwardConfig of `grid`."""
+  from jaxflash.configs import BackwardConfig, backward_config
+  default = common.try_call(backward_config, HEAD_DIM, DTYPE)[0]
+  args = make_inputs(1, n)
+  rows, cases = [], {}
+  for tiles in grid:
+    config = BackwardConfig(*tiles)
+    dq = "" if len(tiles) < 5 or tiles[4] is None else " dq{}x{}".format(*config.dq_tiles)
+    splits = "" if config.q_splits is None else f" q{config.q_splits}"
+    row = {"n": n, "config": "{}x{} w{} s{}".format(*tiles[:4]) + dq + splits,
+           "default": config == default,
+           "smem_kib": config.smem_bytes(HEAD_DIM, 2) / 1024}
+    rows.append(row)
+    if budget.exhausted():
+      row["error"] = "skipped: time budget"
+      continue
+    cases[row["config"]] = (forward_backward(jaxflash_attention(config)), args)
+  timings = common.device_times_us(cases, log=log)
+  for row in rows:
+    t = timings.get(row["config"])
+    if isinstance(t, dict):
+      row["error"] = t["error"]
+    elif isinstance(t, common.Timing):
+      row.update(us=t.us, tflops=train_flops(1, n) / (t.us * 1e-6) / 1e12)
+      row["pct"] = 100 * row["tflops"] / ceiling if ceiling else None
+  del args
+  common.free_memory()
+  return rows
+
+
+def model_rows(preset: str, n: int, budget) -> list[dict]:
+  """One training step's device time (loss, gradients of every weight) of a Qwen2.5 model
+  with random bf16 weights on one sequence of n tokens, per attention implementation."""
+  from flax import nnx
+
+  from models import qwen2, train
+  if preset == "demo":
+    from models.generate import demo_config
+    config, label = demo_config(), "demo model"
+  else:
+    config, label = qwen2.PRESETS[preset](), preset
+  model = qwen2.random_model(config, seed=0, dtype="bfloat16")
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(0), (1, n + 1), 0, config.vocab_size, jnp.int32)
+  cases = {}
+  for impl in ("jaxflash", "cudnn", "xla"):
+    attention_impl = {"jaxflash": None}.get(impl, impl)
+    if budget.exhausted():
+      continue
+
+    def step(params, tokens, attention_impl=attention_impl):
+      return jax.value_and_grad(lambda p: train.cross_entropy(
+          nnx.merge(graphdef, p, rest), tokens, attention_impl))(params)
+    cases[impl] = (step, (params, tokens))
+  timings = common.device_times_us(cases, max_iters=10, log=log)
+  rows = []
+  for impl, t in timings.items():
+    row = {"model": label, "n": n, "impl": LABELS[impl]}
+    if isinstance(t, common.Timing):
+      row.update(step_ms=t.us / 1e3, temp_mib=None if t.temp_bytes is None else t.temp_bytes / 2**20,
+                 method=t.method)
+    else:
+      row["error"] = t["error"]
+    rows.append(row)
+  base = next((r.get("step_ms") for r in rows if r["impl"] == LABELS["jaxflash"]), None)
+  for row in rows:
+    row["vs_jaxflash"] = row["step_ms"] / base if base and row.get("step_ms") else None
+  del params, tokens
+  common.free_memory()
+  return rows
+
+
+# ----------------------------------------------------------------------------- script
+
+# (block_q, block_k, num_warps, num_stages[, dq_block_q, dq_block_k[, q_splits]])
+SWEEP_GRID = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 3),
+              (128, 64, 8, 2), (64, 64, 4, 2, 128, 64), (64, 32, 4, 2, 128, 64),
+              (128, 32, 4, 2, 128, 64), (64, 64, 4, 2, 128, 32), (64, 128, 8, 2)]
+# The dK/dV kernel's query-range split (BackwardConfig.q_splits; None: the automatic
+# choice) on the Hopper default tiles and on 64 x 128 tiles, which need it most.
+SPLITS_GRID = [(64, 64, 4, 2, None, None, 1), (64, 64, 4, 2, None, None, 2),
+               (64, 64, 4, 2, None, None, 3), (64, 64, 4, 2, None, None, 4),
+               (64, 128, 8, 2, None, None, 1), (64, 128, 8, 2, None, None, 2),
+               (64, 128, 8, 2, None, None, 4), (64, 64, 4, 2, 128, 64, 2)]
+GRIDS = {"full": SWEEP_GRID + SPLITS_GRID, "splits": SPLITS_GRID}
+
+
+def main_columns(impls):
+  cols = [("batch", "B"), ("n", "n")]
+  cols += [(lambda r, i=impl: common.value_with_pct(r, f"{i}_tflops", f"{i}_pct"), LABELS[impl])
+           for impl in impls]
+  cols += [(f"jf_over_{o}", f"jaxflash / {LABELS[o]}", "{:.2f}") for o in ("cudnn", "pallas_mha", "fa3")]
+  return cols
+
+
+def parse_args(argv=None):
+  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)",
+                             quick="n = 4096 and 16384 only", sweep=True, **{LIMIT_OPTION: 420.0})
+  p.add_argument("--no-model", dest="model", action="store_false", help="skip the model step row")
+  p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
+  p.add_argument("--sizes", default=None, help="comma-separated BxN cells, e.g. 1x4096,4x4096 "
+                 "(default: B=1 at 1K..32K and 4x4096)")
+  p.add_argument("--grid", choices=tuple(GRIDS), default="full",
+                 help="BackwardConfig sweep: every config, or the q_splits ones only")
+  p.add_argument("--sweep-ns", default="4096,16384", help="comma-separated n of the sweep (B=1)")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  budget = common.Budget(getattr(args, LIMIT_OPTION))
+  if args.smoke:
+    sizes, impls = [(1, 128), (2, 64)], ("jaxflash", "jaxflash_default", "pallas_mha", "xla")
+    sweep_ns, grid = [128], [(16, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2, None, None, 2)]
+    model_case, ceiling_args = ("demo", 64), dict(matmul_n=256, hbm_gib=1 / 64)
+  else:
+    ns = [4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    sizes = [(1, n) for n in ns] + [(4, 4096)]
+    if args.sizes:
+      sizes = [tuple(int(x) for x in cell.split("x")) for cell in args.sizes.split(",")]
+    impls = tuple(i for i in IMPLS if i in args.impls.split(","))
+    sweep_ns, grid = [int(n) for n in args.sweep_ns.split(",")], GRIDS[args.grid]
+    model_case, ceiling_args = ("qwen2.5-0.5b", 4096), dict(matmul_n=8192, hbm_gib=4.0)
+  meta, out_dir = common.begin_run("train", args, **ceiling_args)
+  ceiling = meta["ceilings"].get("matmul_tflops")
+  meta.update(title="Causal attention, forward + backward: TFLOP/s on device time",
+              shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                          dtype="bfloat16", causal=True),
+              flops="FlashAttention-2 convention: 3.5 x (4 n^2 d per head, halved for causal)")
+  meta["notes_header"] = [
+      "TFLOP/s: 3.5x the causal forward's FLOPs (4·n²·d per head, halved), % of the bf16 matmul "
+      "ceiling beside each.",
+      "JAX Pallas mha has no GQA: K/V are repeated to 12 heads inside the call (and dK/dV reduced).",
+  ]
+  sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
+
+  rows, notes = [], []
+  for batch, n in sizes:
+    if budget.exhausted():
+      notes.append(f"B={batch} n={n}: skipped (time budget)")
+      continue
+    log(f"[{budget.elapsed():6.1f}s] B={batch} n={n}")
+    row, err = common.try_call(bench_row, batch, n, ceiling, budget, impls)
+    if err:
+      notes.append(f"B={batch} n={n}: row failed: {err[:300]}")
+      continue
+    rows.append(row)
+    notes += [f"B={batch} n={n} {LABELS[i]}: {e[:200]}" for i, e in row["errors"].items()]
+    log("  " + ", ".join(f"{i} {common.format_value(row.get(f'{i}_tflops'))}" for i in impls))
+    common.write_results("train", rows, meta, main_columns(impls), out_dir=out_dir, notes=notes)
+
+  memory_rows = [{"batch": r["batch"], "n": r["n"], **{i: r.get(f"{i}_temp_mib") for i in impls}}
+                 for r in rows]
+  common.write_results(
+      "train_memory", memory_rows, {**sub_meta, "title": "Forward + backward: peak XLA scratch memory (MiB)"},
+      [("batch", "B"), ("n", "n"), *[(i, LABELS[i]) for i in impls]], out_dir=out_dir,
+      notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
+
+  step_rows = []
+  if args.model and not budget.exhausted():
+    log(f"[{budget.elapsed():6.1f}s] model training step: {model_case}")
+    step_rows, err = common.try_call(model_rows, *model_case, budget)
+    step_rows = step_rows or [{"model": model_case[0], "error": err}]
+    common.write_results(
+        "train_step", step_rows, {**sub_meta, "title": "Whole-model training step (loss + all gradients)"},
+        [("model", "model"), ("n", "tokens"), ("impl", "attention"), ("step_ms", "step ms", "{:.2f}"),
+         ("vs_jaxflash", "/ jaxflash", "{:.2f}"), ("temp_mib", "scratch MiB", "{:.0f}"),
+         ("error", "error", lambda e: e[:80])], out_dir=out_dir)
+
+  sweep_rows = []
+  if args.sweep:
+    for n in sweep_ns:
+      if budget.exhausted():
+        break
+      log(f"[{budget.elapsed():6.1f}s] backward sweep at n={n}")
+      got, err = common.try_call(sweep, n, ceiling, budget, grid)
+      sweep_rows += got or [{"n": n, "config": "all", "error": err}]
+    common.write_results(
+        "train_sweep", sweep_rows, {**sub_meta, "title": "jaxflash fwd+bwd: BackwardConfig sweep, B=1"},
+        [("n", "n"), ("config", "config"), ("tflops", "TFLOP/s"), ("pct", "% of matmul"),
+         ("smem_kib", "smem KiB (model)"), ("default", "default"), ("error", "error", lambda e: e[:80])],
+        out_dir=out_dir)
+
+  plot = {"x": "n", "y": [f"{i}_tflops" for i in impls], "logx": True,
+          "labels": {f"{i}_tflops": LABELS[i] for i in impls}, "where": lambda r: r["batch"] == 1,
+          "xlabel": "sequence length n (batch 1)", "ylabel": "fwd+bwd TFLOP/s (device time)",
+          "title": "Causal attention fwd+bwd, 12 q heads / 2 kv heads, d=128, bf16",
+          "hline": (ceiling, "bf16 matmul ceiling")}
+  paths = common.write_results("train", rows, meta, main_columns(impls), plot=plot, out_dir=out_dir,
+                               notes=notes, extra={"sweep": sweep_rows, "model_step": step_rows})
+  log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
+  log(common.markdown_table(rows, [("batch", "B"), ("n", "n")] + [
+      (f"{i}_tflops", i) for i in impls] + [("jf_over_cudnn", "jf/cudnn", "{:.2f}"),
+                                            ("jf_over_pallas_mha", "jf/mha", "{:.2f}")]))
+  if step_rows:
+    log(common.markdown_table(step_rows, [("impl", "attention"), ("step_ms", "step ms", "{:.2f}"),
+                                          ("error", "error", lambda e: str(e)[:60])]))
+  if sweep_rows:
+    log(common.markdown_table(sorted(sweep_rows, key=lambda r: (r["n"], -(r.get("tflops") or 0))),
+                              [("n", "n"), ("config", "config"), ("tflops", "TFLOP/s", "{:.0f}"),
+                               ("default", "default")]))
+
+
+if __name__ == "__main__":
+  main()
