@@ -22,6 +22,7 @@ class PageAllocator:
     self._free = list(range(num_pages - 1, -1, -1))
     self.block_table = np.zeros((batch, max_pages), np.int32)
     self.pages_held = np.zeros((batch,), np.int32)
+    self.pages_dropped = np.zeros((batch,), np.int32)  # leading pages given back (`release_before`)
     self.changed = True  # the device copy of the block table is stale
 
   @property
@@ -42,10 +43,22 @@ class PageAllocator:
       self.pages_held[row] += 1
       self.changed = True
 
+  def release_before(self, row: int, num_tokens: int) -> None:
+    """Returns the pages of sequence `row` that lie wholly before token `num_tokens` to the
+    free list (a sliding window has passed them). Their block-table entries stay as they
+    are, pointing at pages that may be handed out again: the decode kernels never read the
+    entries of pages wholly before the window."""
+    end = min(max(num_tokens, 0) // self.page_size, int(self.pages_held[row]))
+    start = int(self.pages_dropped[row])
+    if end > start:
+      self._free.extend(int(p) for p in self.block_table[row, start:end][::-1])
+      self.pages_dropped[row] = end
+
   def release(self, row: int) -> None:
-    """Returns every page of sequence `row` to the free list."""
-    held = int(self.pages_held[row])
-    self._free.extend(int(p) for p in self.block_table[row, :held][::-1])
+    """Returns every page of sequence `row` still held to the free list."""
+    held, dropped = int(self.pages_held[row]), int(self.pages_dropped[row])
+    self._free.extend(int(p) for p in self.block_table[row, dropped:held][::-1])
     self.block_table[row, :] = 0
     self.pages_held[row] = 0
+    self.pages_dropped[row] = 0
     self.changed = True
