@@ -207,6 +207,27 @@ def test_all_windowed_paged_generation_frees_pages():
   assert out.tokens == [fx.hf_greedy("window-all", tuple(p), new_tokens) for p in prompts]
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_paged_decode_never_reads_pages_before_the_window(batch):
+  """Decode steps over a paged cache whose pages wholly before the window are filled with
+  NaN as the window passes them (as if handed to another sequence): not one of their
+  values reaches the logits, which equal transformers'. Batch 1 runs the split-KV path."""
+  model = load("window-all")
+  ids = np.random.default_rng(5).integers(0, fx.VOCAB, (batch, 24))
+  theirs = fx.hf_logits("window-all", ids)
+  cache = _cache(model, "paged", batch, 32)
+  _, cache = model(jnp.asarray(ids[:, :17]), cache=cache)
+  table = np.asarray(cache.block_table)
+  for t in range(17, 24):  # feed token t: its query sees keys t - W + 1 .. t
+    gone = table[:, :max(t - fx.WINDOW + 1, 0) // PAGE_SIZE].ravel()
+    cache = dataclasses.replace(
+        cache, key_pages=tuple(p.at[gone].set(jnp.nan) for p in cache.key_pages),
+        value_pages=tuple(p.at[gone].set(jnp.nan) for p in cache.value_pages))
+    logits, cache = model(jnp.asarray(ids[:, t:t + 1]), cache=cache)
+    np.testing.assert_allclose(np.asarray(logits[:, 0]), theirs[:, t], rtol=0, atol=LOGIT_ATOL,
+                               err_msg=f"token {t}")
+
+
 def test_mixed_windows_keep_every_page():
   """A layer without a window reads every token: no page goes back before the end."""
   sampler = qwen2.Sampler(load("window-mixed"), cache="paged", page_size=PAGE_SIZE)

@@ -113,8 +113,8 @@ class Attention(nnx.Module):
     q = q.astype(kv.keys.dtype)
     total = kv.lengths + new_lengths  # [B] tokens in the cache, the new ones included
     if steps == 1:
-      # One new token sees every cached key (in its window), so the decode kernels need only
-      # the lengths.
+      # One new token sees every cached key in its window: the decode kernels need only the
+      # lengths and the window (they read only the window's part of the cache).
       if plan.split_kv:
         if kv.paged:
           return jaxflash.paged_decode_attention(q, kv.keys, kv.values, total, kv.block_table,

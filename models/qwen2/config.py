@@ -12,7 +12,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_typ
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
-  """Shapes and constants of a Qwen2 decoder; field names follow `config.json`."""
+  """Shapes and constants of a Qwen2 decoder; field names follow `config.json`.
+
+  With use_sliding_window, the layers `layer_window` names attend through a sliding window
+  of `sliding_window` keys ending at the query (Hugging Face's Qwen2 semantics, below).
+  """
 
   vocab_size: int
   hidden_size: int

@@ -243,8 +243,8 @@ class Sampler:
     self.plan = plan
     self.tensor_parallel = model.tensor_parallel  # None unless split by shard_model
     self.allocator: PageAllocator | None = None  # the last call's (for inspection)
-    # Pages before this many tokens from a sequence's end are never read again (None: some
-    # layer sees every token, so no page may go back before the sequence ends).
+    # The widest window: no layer reads a key older than the last kept_window tokens again
+    # (None: some layer sees every token, so no page goes back before the sequence ends).
     windows = self.config.layer_windows
     self.kept_window = None if None in windows else max(windows)
 
