@@ -151,13 +151,11 @@ def test_chunked_prefill_and_decode_match_transformers(model, checkpoint, kind):
 
 
 # Each case compiles its own decode loop (~20 s on a CPU): the mixed checkpoint through both
-# caches, and one prompt alone, whose decode step hands attention's split-KV chunks to the
-# output projection (models/qwen2/plan.py's split_kv). The all-windowed checkpoint's
-# generation is checked below, with its pages given back.
-@pytest.mark.parametrize("cache, lengths", [("paged", PROMPT_LENGTHS), ("contiguous", PROMPT_LENGTHS),
-                                            ("paged", (29,))], ids=["paged", "contiguous", "paged-one"])
-def test_windowed_greedy_generation_matches_transformers(cache, lengths):
-  prompts = fx.prompts(lengths, seed=3)
+# caches. The all-windowed checkpoint's generation is checked below, with its pages given
+# back; a batch of one (the split-KV decode path) in test_decode_never_reads_keys_before_the_window.
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_windowed_greedy_generation_matches_transformers(cache):
+  prompts = fx.prompts(PROMPT_LENGTHS, seed=3)
   ours = qwen2.generate(load("window-mixed"), prompts, NEW_TOKENS, cache=cache, page_size=PAGE_SIZE)
   theirs = [fx.hf_greedy("window-mixed", tuple(p), NEW_TOKENS) for p in prompts]
   assert ours == theirs
@@ -207,22 +205,27 @@ def test_all_windowed_paged_generation_frees_pages():
   assert out.tokens == [fx.hf_greedy("window-all", tuple(p), new_tokens) for p in prompts]
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_paged_decode_never_reads_pages_before_the_window(batch):
-  """Decode steps over a paged cache whose pages wholly before the window are filled with
-  NaN as the window passes them (as if handed to another sequence): not one of their
-  values reaches the logits, which equal transformers'. Batch 1 runs the split-KV path."""
+@pytest.mark.parametrize("kind, batch", [("paged", 1), ("paged", 2), ("contiguous", 1)])
+def test_decode_never_reads_keys_before_the_window(kind, batch):
+  """Decode steps over a cache whose pages (paged) or rows (contiguous) wholly before the
+  window are filled with NaN as the window passes them (as if handed to another
+  sequence): not one of their values reaches the logits, which equal transformers'. Batch 1
+  runs the split-KV path (chunks merged in the output projection)."""
   model = load("window-all")
   ids = np.random.default_rng(5).integers(0, fx.VOCAB, (batch, 24))
   theirs = fx.hf_logits("window-all", ids)
-  cache = _cache(model, "paged", batch, 32)
+  cache = _cache(model, kind, batch, 32)
   _, cache = model(jnp.asarray(ids[:, :17]), cache=cache)
-  table = np.asarray(cache.block_table)
   for t in range(17, 24):  # feed token t: its query sees keys t - W + 1 .. t
-    gone = table[:, :max(t - fx.WINDOW + 1, 0) // PAGE_SIZE].ravel()
-    cache = dataclasses.replace(
-        cache, key_pages=tuple(p.at[gone].set(jnp.nan) for p in cache.key_pages),
-        value_pages=tuple(p.at[gone].set(jnp.nan) for p in cache.value_pages))
+    first = max(t - fx.WINDOW + 1, 0)
+    if kind == "paged":
+      gone = np.asarray(cache.block_table)[:, :first // PAGE_SIZE].ravel()
+      cache = dataclasses.replace(
+          cache, key_pages=tuple(p.at[gone].set(jnp.nan) for p in cache.key_pages),
+          value_pages=tuple(p.at[gone].set(jnp.nan) for p in cache.value_pages))
+    else:
+      cache = dataclasses.replace(cache, keys=tuple(k.at[:, :first].set(jnp.nan) for k in cache.keys),
+                                  values=tuple(v.at[:, :first].set(jnp.nan) for v in cache.values))
     logits, cache = model(jnp.asarray(ids[:, t:t + 1]), cache=cache)
     np.testing.assert_allclose(np.asarray(logits[:, 0]), theirs[:, t], rtol=0, atol=LOGIT_ATOL,
                                err_msg=f"token {t}")
