@@ -23,18 +23,15 @@ backward's BackwardConfig at n = 4096 and 16384.
 """
 from __future__ import annotations
 
-import sys
 import types
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
 # bench's modules by concept (timing, cli, report), read through one namespace here.
-from bench import cli as _cli, report as _report, timing as _timing  # noqa: E402
+from bench import cli as _cli, peers, report as _report, timing as _timing
 common = types.SimpleNamespace(**{**vars(_timing), **vars(_report), **vars(_cli)},
                                Budget=_cli.TimeLimit)
 LIMIT_OPTION = "time_limit_s"
@@ -86,23 +83,9 @@ def pallas_mha_attention(q, k, v):
                                 interpret=not common.has_gpu())
 
 
-def fa3_attention(q, k, v):
-  import flash_attn3_jax
-  return flash_attn3_jax.flash_mha(q, k, v, is_causal=True)
-
-
-def tokamax_attention(q, k, v):
-  # tokamax imports xprof for its own benchmarking only: empty stand-ins let it import.
-  for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
-    sys.modules.setdefault(name, types.ModuleType(name))
-  sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
-  import tokamax
-  return tokamax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic")
-
-
 CONTENDERS = {"jaxflash": jaxflash_attention(), "jaxflash_default": jaxflash_default_attention,
-              "cudnn": cudnn_attention, "fa3": fa3_attention,
-              "tokamax": tokamax_attention, "pallas_mha": pallas_mha_attention, "xla": xla_attention}
+              "cudnn": cudnn_attention, "fa3": peers.fa3_attention,
+              "tokamax": peers.tokamax_attention, "pallas_mha": pallas_mha_attention, "xla": xla_attention}
 
 
 def forward_backward(attend):

@@ -57,7 +57,7 @@ def test_config_from_hf_dict():
 @pytest.mark.parametrize("change, error", [
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, ValueError),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, NotImplementedError),
-    ({"use_sliding_window": True}, NotImplementedError),
+    ({"use_sliding_window": True, "sliding_window": 0}, ValueError),
     ({"num_key_value_heads": 3}, ValueError),
     ({"num_attention_heads": 0}, ValueError),
     ({"vocab_size": -1}, ValueError),

@@ -36,6 +36,7 @@ class PageAllocator:
     self._kept: set[int] = set()
     self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
     self.on_evict: Callable[[int], None] | None = None
+    self.pages_dropped = np.zeros((batch,), np.int32)  # leading pages given back (`release_before`)
     self.changed = True  # the device copy of the block table is stale
 
   @property
@@ -105,11 +106,25 @@ class PageAllocator:
     instead of free."""
     self._kept.add(page)
 
+  def release_before(self, row: int, num_tokens: int) -> None:
+    """Drops sequence `row`'s reference to its pages that lie wholly before token
+    `num_tokens` (a sliding window has passed them). Their block-table entries stay as they
+    are, pointing at pages that may be handed out again: the decode kernels never read the
+    entries of pages wholly before the window."""
+    end = min(max(num_tokens, 0) // self.page_size, int(self.pages_held[row]))
+    start = int(self.pages_dropped[row])
+    if end > start:
+      for page in self.block_table[row, start:end][::-1]:
+        self._drop(int(page))
+      self.pages_dropped[row] = end
+
   def release(self, row: int) -> None:
-    """Drops sequence `row`'s reference to each of its pages (freed, or idle if kept)."""
-    held = int(self.pages_held[row])
-    for page in self.block_table[row, :held][::-1]:
+    """Drops sequence `row`'s reference to each page it still holds (freed, or idle if
+    kept)."""
+    held, dropped = int(self.pages_held[row]), int(self.pages_dropped[row])
+    for page in self.block_table[row, dropped:held][::-1]:
       self._drop(int(page))
     self.block_table[row, :] = 0
     self.pages_held[row] = 0
+    self.pages_dropped[row] = 0
     self.changed = True

@@ -8,6 +8,13 @@ Which attention runs (`attend`):
     t of row b sits at position cache_lengths[b] + t). T == 1 (a decode step) is the split-KV
     decode kernel over the contiguous cache, or the paged decode kernel through the block
     table; T > 1 (a prompt, or a chunk of one) the FlashAttention-2 prefill kernel.
+
+A layer with a sliding window of W (Qwen2's `sliding_window`, on the layers
+`Qwen2Config.layer_window` names) passes local_window_size=(W - 1, 0) to every one of these
+calls: a query at position p sees keys p - W + 1 .. p, W keys with itself, as transformers'
+Qwen2 masks them. The kernels skip the key blocks before the window, and the decode kernels
+read only the window's pages, so the paged cache may free pages that have fallen out of
+every layer's window (models/qwen2/sampler.py).
 """
 from __future__ import annotations
 
@@ -27,27 +34,33 @@ from models.qwen2.rope import apply_rope
 
 
 def dot_product_attention(query, key, value, *, impl: str | None, is_causal: bool,
-                          query_lengths=None, kv_lengths=None, block_table=None) -> jax.Array:
+                          query_lengths=None, kv_lengths=None, block_table=None,
+                          local_window_size=None) -> jax.Array:
   """query [B, T, N, H]; key/value [B, S, K, H] or page pools [P, page, K, H] with block_table
   [B, max_pages]; lengths [B] int32 -> [B, T, N, H]. Causal is bottom-right per row: query t
   of row b sits at key position kv_lengths[b] - query_lengths[b] + t (FlashAttention's
-  convention), so new tokens after a cached prefix see the prefix. The model's one call into
-  jaxflash.attention, so that the causal alignment is named in one place."""
+  convention), so new tokens after a cached prefix see the prefix; local_window_size
+  (left, right) keeps keys [p - left, p + right] of a query at position p. The model's one
+  call into jaxflash.attention, so that the causal alignment is named in one place."""
   return jaxflash.attention(query, key, value, is_causal=is_causal, query_seq_lengths=query_lengths,
                             key_value_seq_lengths=kv_lengths, block_table=block_table,
-                            implementation=impl, causal_alignment="bottom_right")
+                            local_window_size=local_window_size, implementation=impl,
+                            causal_alignment="bottom_right")
 
 
 class Attention(nnx.Module):
   """norm(x) [B, T, hidden] -> attention's output through o_proj [B, T, hidden]: `num_heads`
   query heads share `num_kv_heads` key/value heads (query head n reads KV head
-  n // (num_heads // num_kv_heads))."""
+  n // (num_heads // num_kv_heads)). `sliding_window` W (None: none): each query sees only
+  the W keys ending at its own position, in every path (a static property of the layer)."""
 
   def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+               rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+               sliding_window: int | None = None):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
+    self.sliding_window = sliding_window
     dense = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=dense_init, rngs=rngs)
     self.q_proj = nnx.Linear(hidden_size, num_heads * head_dim, use_bias=True, **dense)
     self.k_proj = nnx.Linear(hidden_size, num_kv_heads * head_dim, use_bias=True, **dense)
@@ -91,27 +104,33 @@ class Attention(nnx.Module):
     (jaxflash.SplitKV) with `plan.split_kv`."""
     batch, steps = q.shape[:2]
     impl = plan.attention_impl
+    # Transformers' Qwen2 window: key j is seen from position p when p - W < j <= p.
+    window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
     if kv is None:
       out = dot_product_attention(q, k, v, impl=impl, is_causal=True, query_lengths=lengths,
-                                  kv_lengths=lengths)
+                                  kv_lengths=lengths, local_window_size=window)
       return out.reshape(batch, steps, -1)
     q = q.astype(kv.keys.dtype)
     total = kv.lengths + new_lengths  # [B] tokens in the cache, the new ones included
     if steps == 1:
-      # One new token sees every cached key, so the decode kernels need only the lengths.
+      # One new token sees every cached key in its window: the decode kernels need only the
+      # lengths and the window (they read only the window's part of the cache).
       if plan.split_kv:
         if kv.paged:
           return jaxflash.paged_decode_attention(q, kv.keys, kv.values, total, kv.block_table,
-                                                 return_partials=True)
-        return jaxflash.decode_attention(q, kv.keys, kv.values, total, return_partials=True)
+                                                 local_window_size=window, return_partials=True)
+        return jaxflash.decode_attention(q, kv.keys, kv.values, total, local_window_size=window,
+                                         return_partials=True)
       out = dot_product_attention(q, kv.keys, kv.values, impl=impl, is_causal=False,
-                                  kv_lengths=total, block_table=kv.block_table)
+                                  kv_lengths=total, block_table=kv.block_table,
+                                  local_window_size=window)
       return out.reshape(batch, steps, -1)
     # A prompt, or a chunk of one, over the cache: the prefill kernel over the contiguous
-    # cache, or the paged prefill kernel through the block table.
+    # cache, or the paged prefill kernel through the block table (with a window,
+    # jaxflash.attention gathers the pages for the prefill kernel instead).
     out = dot_product_attention(q, kv.keys, kv.values, impl=impl, is_causal=True,
                                 query_lengths=new_lengths, kv_lengths=total,
-                                block_table=kv.block_table)
+                                block_table=kv.block_table, local_window_size=window)
     return out.reshape(batch, steps, -1)
 
   def _fused_qkv(self, x, norm: RMSNorm, rope, kv: LayerKV | None, new_lengths, plan: StepPlan,

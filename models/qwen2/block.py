@@ -14,14 +14,16 @@ from models.qwen2.plan import DecodeWorkspace, StepPlan
 
 
 class DecoderLayer(nnx.Module):
-  """x [B, T, hidden] -> h = x + attention(norm(x)), then h + mlp(norm(h))."""
+  """x [B, T, hidden] -> h = x + attention(norm(x)), then h + mlp(norm(h)). `sliding_window`:
+  the layer's attention window (`Qwen2Config.layer_window`; None: every earlier key)."""
 
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-               param_dtype=jnp.float32):
+               param_dtype=jnp.float32, sliding_window: int | None = None):
     kinds = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     self.pre_attention_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kinds)
     self.attention = Attention(config.hidden_size, config.num_attention_heads,
-                               config.num_key_value_heads, config.head_dim, **kinds)
+                               config.num_key_value_heads, config.head_dim,
+                               sliding_window=sliding_window, **kinds)
     self.pre_mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **kinds)
     self.mlp = MLP(config.hidden_size, config.intermediate_size, **kinds)
 

@@ -7,9 +7,16 @@ import json
 import os
 from typing import Any
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json's layer_types values
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
-  """Shapes and constants of a Qwen2 decoder; field names follow `config.json`."""
+  """Shapes and constants of a Qwen2 decoder; field names follow `config.json`.
+
+  With use_sliding_window, the layers `layer_window` names attend through a sliding window
+  of `sliding_window` keys ending at the query (Hugging Face's Qwen2 semantics, below).
+  """
 
   vocab_size: int
   hidden_size: int
@@ -24,12 +31,17 @@ class Qwen2Config:
   tie_word_embeddings: bool = False
   eos_token_id: int | tuple[int, ...] | None = None
   torch_dtype: str | None = None  # the checkpoint's dtype, e.g. "bfloat16"
-  # Qwen2's sliding-window attention, as config.json names it: layers from max_window_layers
-  # on attend to the last `sliding_window` tokens when use_sliding_window (both None
-  # otherwise). Parsed, not yet run: from_hf_dict refuses use_sliding_window=true.
+  # Qwen2's sliding-window attention, with config.json's names and Hugging Face's semantics.
+  # When use_sliding_window, a windowed layer's query at position p attends to the
+  # `sliding_window` keys p - sliding_window + 1 .. p (itself included), the other layers to
+  # every key up to p. Which layers are windowed: `layer_types` when given ("full_attention"
+  # or "sliding_attention" per layer, as transformers >= 4.53 writes it), else layers
+  # max_window_layers and up (the first max_window_layers attend to all keys). All None when
+  # use_sliding_window is off: the window is kept only where it is used (as in HF).
   use_sliding_window: bool = False
   sliding_window: int | None = None
   max_window_layers: int | None = None
+  layer_types: tuple[str, ...] | None = None
 
   def __post_init__(self):
     if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
@@ -41,9 +53,43 @@ class Qwen2Config:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(self.layer_types, list):
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if self.use_sliding_window:
+      self._check_window()
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                        f"num_key_value_heads ({self.num_key_value_heads})")
+
+  def _check_window(self) -> None:
+    window = self.sliding_window
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+      raise ValueError(f"sliding_window must be a positive int with use_sliding_window, got {window!r}")
+    if self.layer_types is not None:
+      if (len(self.layer_types) != self.num_hidden_layers
+          or not set(self.layer_types) <= set(LAYER_TYPES)):
+        raise ValueError(f"layer_types must name one of {LAYER_TYPES} for each of the "
+                         f"{self.num_hidden_layers} layers, got {self.layer_types!r}")
+    elif (not isinstance(self.max_window_layers, int) or isinstance(self.max_window_layers, bool)
+          or self.max_window_layers < 0):
+      raise ValueError(f"max_window_layers must be an int >= 0 with use_sliding_window (or "
+                       f"layer_types given), got {self.max_window_layers!r}")
+
+  def layer_window(self, index: int) -> int | None:
+    """The sliding window of layer `index`: W when it is windowed (a query at position p
+    sees keys p - W + 1 .. p), None when it sees every earlier key."""
+    if not self.use_sliding_window:
+      return None
+    if self.layer_types is not None:
+      windowed = self.layer_types[index] == "sliding_attention"
+    else:
+      windowed = index >= self.max_window_layers
+    return self.sliding_window if windowed else None
+
+  @property
+  def layer_windows(self) -> tuple[int | None, ...]:
+    """`layer_window` of every layer, in order."""
+    return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
   def replace(self, **changes) -> Qwen2Config:
     return dataclasses.replace(self, **changes)
@@ -64,15 +110,14 @@ class Qwen2Config:
     if model_type not in (None, "qwen2") or (architectures and "Qwen2ForCausalLM" not in architectures):
       raise ValueError(f"not a Qwen2 checkpoint: model_type={model_type!r}, "
                        f"architectures={architectures!r}")
-    if hf.get("use_sliding_window"):
-      raise NotImplementedError("Qwen2 sliding-window attention (use_sliding_window=true) is not "
-                                "supported")
     # transformers >= 5 nests RoPE settings under "rope_parameters"; older files keep
     # "rope_theta" at the top level and "rope_scaling" beside it.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
       raise NotImplementedError(f"RoPE scaling {rope!r} is not supported")
-    windowed = bool(hf.get("use_sliding_window", False))
+    # transformers drops the window when use_sliding_window is off, or sliding_window null.
+    window = hf.get("sliding_window", 4096)
+    windowed = bool(hf.get("use_sliding_window", False)) and window is not None
     fields = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -87,10 +132,12 @@ class Qwen2Config:
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         eos_token_id=hf.get("eos_token_id"),
         torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
-        # As transformers does, the window is kept only where it is used.
+        # As transformers does, the window is kept only where it is used; its defaults
+        # (4096 tokens, 28 full-attention layers) fill keys the file leaves out.
         use_sliding_window=windowed,
-        sliding_window=hf.get("sliding_window") if windowed else None,
-        max_window_layers=hf.get("max_window_layers") if windowed else None,
+        sliding_window=window if windowed else None,
+        max_window_layers=hf.get("max_window_layers", 28) if windowed else None,
+        layer_types=hf.get("layer_types") if windowed else None,
     )
     fields.update(overrides)
     return cls(**fields)

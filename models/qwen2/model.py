@@ -33,8 +33,9 @@ class Qwen2ForCausalLM(nnx.Module):
     self.dtype = dtype
     self.embedder = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                               param_dtype=param_dtype, embedding_init=embed_init, rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-                            for _ in range(config.num_hidden_layers)])
+    self.layers = nnx.List([DecoderLayer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                         sliding_window=window)
+                            for window in config.layer_windows])
     self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
                               param_dtype=param_dtype)
     if not config.tie_word_embeddings:
@@ -50,7 +51,8 @@ class Qwen2ForCausalLM(nnx.Module):
     positions [B, T]: default 0..T-1 after the tokens already cached. lengths [B]: the
     valid tokens of each right-padded row (default T); padding is neither attended to nor
     written to the cache. With a cache, the T new tokens of row b go after its
-    cache.lengths[b] cached ones and attend to those and to themselves (causal): T == 1 is a
+    cache.lengths[b] cached ones and attend to those and to themselves (causal; on a layer
+    with a sliding window W, to the last W of them only: `Qwen2Config`): T == 1 is a
     decode step, T > 1 a prompt or a chunk of one (lengths 0 marks a finished row: nothing
     is written for it). Calls with a cache run the forward-only decode-step kernels when
     they have at most 16 token rows (models/qwen2/plan.py); differentiate calls without one.

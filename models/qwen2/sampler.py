@@ -16,6 +16,13 @@ device in the same step; later steps neither write its cache nor emit tokens for
 
 EOS handling: the returned tokens of a sequence end with its EOS token when it produced
 one (EOS included, as Hugging Face's `generate` returns it).
+
+Sliding windows: when every layer of the model has one (`Qwen2Config.layer_window`), the
+paged cache gives back the pages that have fallen out of the widest window before each
+decode call, so a sequence holds about window / page_size + 1 pages however long it grows.
+Their block-table entries stay as they were: the decode kernels never read the entries of
+pages wholly before a window (jaxflash/paged.py), and the device runs calls in order, so a
+page handed to another sequence is written only after the last call that could read it.
 """
 from __future__ import annotations
 
@@ -236,6 +243,10 @@ class Sampler:
     self.plan = plan
     self.tensor_parallel = model.tensor_parallel  # None unless split by shard_model
     self.allocator: PageAllocator | None = None  # the last call's (for inspection)
+    # The widest window: no layer reads a key older than the last kept_window tokens again
+    # (None: some layer sees every token, so no page goes back before the sequence ends).
+    windows = self.config.layer_windows
+    self.kept_window = None if None in windows else max(windows)
 
   def capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
     """Cache tokens per sequence: the longest prompt's bucket plus the new tokens, rounded
@@ -371,6 +382,10 @@ class Sampler:
       count = min(self.steps_per_call, max_new_tokens - 1 - steps)
       if allocator is not None:
         for row in np.flatnonzero(~finished):
+          if self.kept_window is not None:
+            # The call's first query, at positions[row], sees keys from
+            # positions[row] - window + 1 on, and later queries fewer old ones.
+            allocator.release_before(row, int(positions[row]) - self.kept_window + 1)
           allocator.reserve(row, int(positions[row]) + count)
         if allocator.changed:
           table = self.to_device(allocator.block_table)
