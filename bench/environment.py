@@ -38,7 +38,10 @@ def _nvidia_smi() -> dict:
 
 
 def _git_commit() -> str | None:
-  """The checkout's commit, with "+changes" when tracked files differ from it."""
+  """The checkout's commit, with "+changes" when tracked files differ from it; BENCH_COMMIT
+  overrides it where the tree was copied without its history (a GPU machine's copy)."""
+  if os.environ.get("BENCH_COMMIT"):
+    return os.environ["BENCH_COMMIT"]
   root = Path(__file__).resolve().parent.parent
   try:
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],

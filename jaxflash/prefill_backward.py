@@ -300,12 +300,12 @@ def _dq_kernel(
     # dS is zero on the key blocks the loops never visit (outside the band).
     zeros = jnp.zeros((block_q, block_k), jnp.float32)
 
-    def clear(j, _):
+    def clear(j, carry):
       _store_ds(ds_ref, zeros, pl.multiple_of(j * block_k, block_k), block_k, in_rows, seq_kv)
-      return 0
+      return carry  # no loop state (a literal carry has no value in Triton's scf.yield)
 
-    lax.fori_loop(0, lo, clear, 0)
-    lax.fori_loop(hi, pl.cdiv(seq_kv, block_k), clear, 0)
+    lax.fori_loop(0, lo, clear, None)
+    lax.fori_loop(hi, pl.cdiv(seq_kv, block_k), clear, None)
 
 
 def _store_ds(ds_ref, ds, kv_start, block_k: int, in_rows, seq_kv: int):
