@@ -25,8 +25,6 @@ from tests.reference_np import attention_f64, gather_pages_np
 F32 = jnp.float32
 ATTENTION = importlib.import_module("jaxflash.attention")
 HAS_GPU_SM90 = HAS_GPU and jaxflash.device_info().compute_capability >= (9, 0)
-DECODE_TAKES_OPTIONS = "sinks" in inspect.signature(jaxflash.decode_attention).parameters
-PAGED_TAKES_OPTIONS = "sinks" in inspect.signature(jaxflash.paged_decode_attention).parameters
 
 
 def _qkv(rng, batch, seq_q, seq_kv, heads=4, kv_heads=2, head_dim=32):
@@ -225,9 +223,7 @@ def _decode_reference(q, k, v, lengths, options):
                        is_causal=True)
 
 
-@pytest.mark.parametrize("implementation", [
-    "xla", pytest.param(None, marks=pytest.mark.skipif(
-        not DECODE_TAKES_OPTIONS, reason="decode_attention takes no options in this build"))])
+@pytest.mark.parametrize("implementation", ["xla", None])
 def test_decode_options(implementation, rng):
   """One token, bottom-right: the decode kernel's path (its query at kv_len - 1)."""
   q, k, v = _qkv(rng, 2, 1, 40)
@@ -241,9 +237,7 @@ def test_decode_options(implementation, rng):
   assert_close(lse, ref_lse, F32, what="lse")
 
 
-@pytest.mark.parametrize("implementation", [
-    "xla", pytest.param(None, marks=pytest.mark.skipif(
-        not PAGED_TAKES_OPTIONS, reason="paged_decode_attention takes no options in this build"))])
+@pytest.mark.parametrize("implementation", ["xla", None])
 def test_paged_decode_options(implementation, rng):
   page, pages, batch = 8, 12, 2
   q = random_array(rng, (batch, 1, 4, 32), F32)
