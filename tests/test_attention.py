@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 
 import jax
 import jax.numpy as jnp
