@@ -22,6 +22,7 @@ from jaxflash.device import A100, H200, RTX_3090, RTX_4060_LAPTOP, DeviceInfo
 from jaxflash.mosaic import MosaicPrefillConfig, mosaic_prefill_config, prefill_attention, supports
 from tests.conftest import HAS_GPU, assert_close, poison_allocator, random_array
 from tests.reference_np import attention_f64
+from tests.test_prefill import _check, _qkv
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 gpu = pytest.mark.gpu
@@ -30,12 +31,6 @@ SM90_ONLY = pytest.mark.skipif(
                          jax.ShapeDtypeStruct((1, 8, 1, 64), BF16),
                          jax.ShapeDtypeStruct((1, 8, 1, 64), BF16)) is not None,
     reason="the Mosaic prefill needs an sm_90+ GPU")
-
-
-def _qkv(rng, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype):
-  return (random_array(rng, (batch, seq_q, heads, head_dim), dtype),
-          random_array(rng, (batch, seq_kv, kv_heads, head_dim), dtype),
-          random_array(rng, (batch, seq_kv, kv_heads, head_dim), dtype))
 
 
 def _run(q, k, v, q_lengths=None, kv_lengths=None, **kwargs):
@@ -47,13 +42,6 @@ def _run(q, k, v, q_lengths=None, kv_lengths=None, **kwargs):
   chex.assert_shape(lse, q.shape[:3])
   chex.assert_type(lse, jnp.float32)
   return out, lse
-
-
-def _check(out, lse, q, k, v, *, is_causal, q_lengths=None, kv_lengths=None, scale=None):
-  ref_out, ref_lse = attention_f64(q, k, v, scale=scale, is_causal=is_causal,
-                                   q_lengths=q_lengths, kv_lengths=kv_lengths)
-  assert_close(out, ref_out, q.dtype)
-  assert_close(lse, ref_lse, F16, what="lse")  # float32 scores: tighter than a bf16 output
 
 
 # (batch, T, S, N, K, head_dim, dtype, causal, config): odd lengths, T < S and T > S, GQA

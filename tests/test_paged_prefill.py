@@ -21,9 +21,9 @@ from jaxflash.paged_prefill import paged_prefill_attention, paged_prefill_refere
 from tests.conftest import assert_close, poison_allocator, random_array
 from tests.reference_np import attention_f64, gather_pages_np
 from tests.test_decode import cache_sized_data_movement
+from tests.test_paged import _make_table
 
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32
-GARBAGE = -12345  # table entries past a sequence's length
 
 # (pages in pool, page size, max pages, query heads, kv heads, head dim, dtype, T,
 #  query lengths (None: all T), key lengths, table kind, config)
@@ -44,18 +44,6 @@ CASES = {
     "p8_g8_h64_fp32": (16, 8, 6, 8, 1, 64, FP32, 13, [13, 5], [45, 29], "prefix",
                        PrefillConfig(16, 16, 4, 2)),
 }
-
-
-def _make_table(rng, kind, batch, num_pages, max_pages, page_size, kv_lengths):
-  if kind == "scattered":
-    table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
-  elif kind == "prefix":
-    table = np.stack([rng.permutation(num_pages)[:max_pages] for _ in range(batch)])
-    table[1:, :max_pages // 2] = table[0, :max_pages // 2]
-  else:
-    table = rng.integers(0, num_pages, (batch, max_pages))
-  used = np.arange(max_pages)[None, :] < -(-np.asarray(kv_lengths)[:, None] // page_size)
-  return np.where(used, table, GARBAGE).astype(np.int32), np.where(used, table, 0)
 
 
 def _case_inputs(rng, case):
