@@ -11,7 +11,8 @@ tile is staged once and every pipeline stage holds its own K tile and V tile:
 
     bytes = itemsize * head_dim_padded * (rows_q + stages * 2 * block_k) + reserve
 
-It gives the article's 96 KB for its 128 x 64 tiles at d = 128, bf16, 2 stages; the
+It gives the 96 KB that "Writing an Attention Kernel: FlashAttention and Decode in Triton"
+reports for its 128 x 64 tiles at d = 128, bf16, 2 stages; the
 reserve covers Triton's scratch for reductions and layout conversions.
 """
 from __future__ import annotations
@@ -70,7 +71,8 @@ P, D = PrefillConfig, DecodeConfig
 
 # (generation, head-dim bucket, bytes per element) -> candidates, best first.
 # Hopper rows were tuned on the H200 (bench/prefill.py's sweep at n = 8192 and
-# bench/decode.py's split and stage sweeps). Ada rows follow the article's RTX 4060 kernel
+# bench/decode.py's split and stage sweeps). Ada rows follow the RTX 4060 kernel of "Writing an
+# Attention Kernel: FlashAttention and Decode in Triton"
 # (128 x 64 tiles, 8 warps; its 96 KB means 2 stages under the 99 KB budget). Ampere rows
 # take an A100's 163 KB first and fall back to the 99 KB of sm_86 parts.
 _PREFILL = {
@@ -264,7 +266,7 @@ def backward_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> Bac
   return _first_fit([*table, *_BACKWARD_LAST], head_dim, itemsize, info, "backward")
 
 
-MIN_CHUNK_TOKENS = 64  # one tile: shorter splits measured faster down to this (bench/NOTES.md)
+MIN_CHUNK_TOKENS = 64  # one tile: shorter splits measured faster down to this (bench/PERFORMANCE.md)
 
 
 def num_splits(batch: int, kv_heads: int, capacity: int, info: DeviceInfo | None = None) -> int:

@@ -450,7 +450,7 @@ def _combine(o_part, lse_part, *, out_dtype, interpret: bool):
   otherwise be two or three XLA reductions, each a launch of its own; this is one launch
   that reads the few kilobytes of partials once. Its time is latency: one program per
   (sequence, head, 32 dims) with one warp each ends ~0.5 us sooner on the H200 than one
-  per (sequence, head) with two warps (bench/NOTES.md).
+  per (sequence, head) with two warps (bench/PERFORMANCE.md).
   """
   batch, splits, num_heads, head_dim = o_part.shape
   block_h = min(COMBINE_BLOCK_H, configs.padded_head_dim(head_dim))

@@ -47,7 +47,7 @@ class DeviceInfo:
     return _GENERATIONS.get(self.compute_capability[0], "ampere")
 
 
-# Reference points: the card we tune on, and the article's laptop GPU.
+# Reference points: the card we tune on, and the laptop GPU of "Writing an Attention Kernel: FlashAttention and Decode in Triton".
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 227 * KIB)
 RTX_4060_LAPTOP = DeviceInfo("NVIDIA GeForce RTX 4060 Laptop GPU", (8, 9), 24, 99 * KIB)
 A100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, 163 * KIB)

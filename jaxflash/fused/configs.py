@@ -1,7 +1,7 @@
 """Tiles of the decode-step fusions and the dispatch thresholds a model uses to pick them.
 
 The thresholds were measured on the H200 (Qwen2.5-1.5B, bfloat16, batch 1 and 8; the
-measurements are in bench/NOTES.md). They decide where a kernel here beats XLA's lowering
+measurements are in bench/PERFORMANCE.md). They decide where a kernel here beats XLA's lowering
 of the same product, so another GPU generation may want other values; they sit here, beside
 jaxflash/configs.py's per-generation attention tiles, for that reason.
 """

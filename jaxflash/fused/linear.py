@@ -16,7 +16,7 @@ Given an RMSNorm's scale, the kernel multiplies x * scale instead and also sums 
 K chunk, so that a following kernel can finish the norm (`skinny_matmul_partials`, used by
 jaxflash/fused/qkv.py).
 
-On the H200 at the 1.5B model's shapes, batch 1, in the model's step (bench/NOTES.md): gate and
+On the H200 at the 1.5B model's shapes, batch 1, in the model's step (bench/PERFORMANCE.md): gate and
 up side by side (1536 x 17920) with 64-column blocks, no K chunks, 15.4 us against XLA's GEMM's
 16.7; the tall down projection (8960 x 1536), which XLA splits 16 ways over K and finishes with a
 reduction kernel (10.9 us), 8.7. A tile sweep found nothing faster for either (more pipeline
@@ -69,7 +69,7 @@ def column_block(x_ref, w_ref, o_ref, j, s, *, rows: int, k_size: int, n_size: i
   # x as given feeds the dot as it is loaded, and Triton's pipeline prefetches that load.
   # Normalised, it passes through fp32 arithmetic first, and the pipeline leaves such a
   # load to wait its latency in every step: so its tiles are loaded one step ahead here,
-  # carried through the loop (the q/k/v product: 5.0 -> 4.7 us a layer, bench/NOTES.md).
+  # carried through the loop (the q/k/v product: 5.0 -> 4.7 us a layer, bench/PERFORMANCE.md).
   ahead = scale_ref is not None
 
   def body(i, carry, *, masked: bool):

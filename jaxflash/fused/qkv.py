@@ -3,7 +3,7 @@
 The attention half of a decoder layer starts with small steps: RMSNorm of the residual
 stream x, the q/k/v products, their biases, and rotary embeddings on q and k. At batch 1
 the products read a few MB of weights, and XLA runs the rest as five elementwise and
-reduction kernels of ~1.3 us each, about what the weights take to read (bench/NOTES.md).
+reduction kernels of ~1.3 us each, about what the weights take to read (bench/PERFORMANCE.md).
 Here it is one launch:
 
   1. The skinny matmul's programs (jaxflash/fused/linear.py), K cut into chunks so every SM reads
@@ -20,11 +20,11 @@ Step 2 needs the column blocks to hold whole heads (head_dim dividing block_n); 
 (head dims 80, 96) it is a second kernel, one small program per head, that the product's
 programs hand their partials and sums of x^2 to. On the H200 at the 1.5B model's shapes,
 batch 1: 6.9 us a layer in one launch, 4.7 + 3.3 in two, 10.4 for the six launches of the
-separate steps (bench/NOTES.md).
+separate steps (bench/PERFORMANCE.md).
 
 A first version did it all in one kernel with one program per slice of a head (no K
 chunks, so every program read whole weight columns): 64 programs streaming the 1.5B
-model's weights took 16-18 us against 4.7 for the chunked product (bench/NOTES.md).
+model's weights took 16-18 us against 4.7 for the chunked product (bench/PERFORMANCE.md).
 
 The product runs in w's dtype with fp32 accumulation; x * scale is rounded to w's dtype for
 the tensor cores (Hugging Face rounds x * r instead: the difference is one rounding of a

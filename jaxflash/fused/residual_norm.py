@@ -4,7 +4,7 @@ In a pre-norm decoder layer the attention's output projection o is added to the 
 stream x and the sum normalised for the MLP: h = x + o, then rms_norm(h) * scale. In a
 decode step these are rows of a few KB, and XLA runs them as two kernels (the add with the
 norm's reduction, then the scaling) of 1-2 us each, nearly all of it launch and latency
-(bench/NOTES.md). Here one program per row does both, and it also adds up the K-chunk
+(bench/PERFORMANCE.md). Here one program per row does both, and it also adds up the K-chunk
 partial sums of the product that made o (`jaxflash.skinny_matmul(..., return_partials=True)`),
 so the product needs no reduction kernel of its own either.
 

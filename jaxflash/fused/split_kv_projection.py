@@ -5,7 +5,7 @@ Split-KV decode (jaxflash/decode.py) ends with a small kernel that merges each h
 by their log-sum-exps, and the layer's output projection then multiplies the merged heads
 [B, N * H] by w [N * H, D]. In a decode step both are latency, not bandwidth: the merge reads
 a few KB and the product a few MB (the 1.5B model: 1.6 + 3.8 us a layer on the H200,
-bench/NOTES.md). Here one program per (output column block, head, up to 8 sequences) merges its
+bench/PERFORMANCE.md). Here one program per (output column block, head, up to 8 sequences) merges its
 head's chunks itself (each column block of a head redoes that small merge: a few KB from L2)
 and multiplies the merged head by the head's [H, block_n] rows of w. Nothing in a program
 waits for another, and w's tile is requested at the start, while the merge computes.
@@ -30,7 +30,7 @@ from jaxflash.decode import SplitKV, chunk_shares, decode_combine_reference, mer
 BLOCK_N = 64  # output columns per program (64 x 4 warps: 3.9 us at the 1.5B o_proj, 128: 4.3)
 NUM_WARPS = 4
 # Sequences per program, each weight tile read once for all of them (one program per
-# sequence read it 8 times at batch 8 and cost the 1.5B step 0.1 ms: bench/NOTES.md).
+# sequence read it 8 times at batch 8 and cost the 1.5B step 0.1 ms: bench/PERFORMANCE.md).
 MAX_ROWS_PER_PROGRAM = 8
 
 
