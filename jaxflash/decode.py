@@ -33,6 +33,7 @@ from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_mask
                               use_interpret)
 from jaxflash.configs import DecodeConfig
 from jaxflash.reference import attention_reference
+from jaxflash.score_mods import soft_cap, window_size
 
 NEG_INF = float("-inf")
 
@@ -503,28 +504,6 @@ def split_scale(scale):
   return None, jnp.asarray(scale, jnp.float32).reshape(1)
 
 
-def check_window(local_window_size):
-  """None, an int w (= (w, w)) or (left, right) ints >= 0 -> None or (left, right)."""
-  if local_window_size is None:
-    return None
-  window = ((local_window_size, local_window_size) if isinstance(local_window_size, (int, np.integer))
-            else tuple(local_window_size) if isinstance(local_window_size, (tuple, list)) else None)
-  if (window is None or len(window) != 2
-      or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window)):
-    raise ValueError(f"local_window_size must be None, an int >= 0 or a (left, right) pair of ints >= 0, "
-                     f"got {local_window_size!r}")
-  return int(window[0]), int(window[1])
-
-
-def check_soft_cap(logits_soft_cap):
-  if logits_soft_cap is None:
-    return None
-  if (isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float, np.number))
-      or not 0 < float(logits_soft_cap) < float("inf")):
-    raise ValueError(f"logits_soft_cap must be None or a positive finite number, got {logits_soft_cap!r}")
-  return float(logits_soft_cap)
-
-
 def _broadcast_view(name: str, x, target: tuple[int, int, int, int], *, boolean: bool):
   """bias/mask broadcastable to target [B, N, 1, S] -> [B or 1, N or 1, S or 1], no copy
   (a mask is converted to int8 at its own size)."""
@@ -559,14 +538,14 @@ def decode_options(query, capacity: int, *, bias, mask, traced_scale, scale, sin
       raise ValueError(f"sinks must be a float array of shape ({num_heads},) (one logit per query "
                        f"head), got shape {tuple(sinks.shape)} and dtype {jnp.dtype(sinks.dtype).name}")
     sinks = sinks.astype(jnp.float32)
-  window = check_window(local_window_size)
+  window = window_size(local_window_size)
   return DecodeOptions(
       bias=_broadcast_view("bias", bias, target, boolean=False),
       mask=_broadcast_view("mask", mask, target, boolean=True),
       scale=traced_scale, sinks=sinks,
       static_scale=None if traced_scale is not None else _checks.default_scale(scale, head_dim),
       window_left=None if window is None else window[0],
-      soft_cap=check_soft_cap(logits_soft_cap))
+      soft_cap=soft_cap(logits_soft_cap))
 
 
 # Static arguments of the jitted decode functions, after `split_scale` took a traced scale out.
@@ -606,8 +585,8 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, bia
   """
   static_scale, traced_scale = split_scale(scale)
   return _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks,
-                           scale=static_scale, local_window_size=check_window(local_window_size),
-                           logits_soft_cap=check_soft_cap(logits_soft_cap), num_splits=num_splits,
+                           scale=static_scale, local_window_size=window_size(local_window_size),
+                           logits_soft_cap=soft_cap(logits_soft_cap), num_splits=num_splits,
                            return_residual=return_residual, return_partials=return_partials,
                            config=config, interpret=interpret)
 
@@ -647,7 +626,7 @@ def decode_attention_reference(query, k_cache, v_cache, key_value_seq_lengths=No
              else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity))
   return attention_reference(query, k_cache, v_cache, bias, mask,
                              scale=query.shape[-1] ** -0.5 if scale is None else scale,
-                             key_value_seq_lengths=lengths, local_window_size=check_window(local_window_size),
+                             key_value_seq_lengths=lengths, local_window_size=window_size(local_window_size),
                              logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 

@@ -27,10 +27,10 @@ from jax import lax
 from jaxflash import _checks, configs
 from jaxflash._triton import load, pl, use_interpret
 from jaxflash.configs import DecodeConfig
-from jaxflash.decode import (STATIC_ARGNAMES, check_decode_query, check_return_flags, check_soft_cap,
-                             check_window, decode_options, launch_split_kv, public_outputs, resolve_config,
-                             split_scale)
+from jaxflash.decode import (STATIC_ARGNAMES, check_decode_query, check_return_flags, decode_options,
+                             launch_split_kv, public_outputs, resolve_config, split_scale)
 from jaxflash.reference import attention_reference, gather_pages
+from jaxflash.score_mods import soft_cap, window_size
 
 __all__ = ["paged_decode_attention", "paged_kv_write", "gather_pages", "block_table_is_valid",
            "paged_decode_attention_reference"]
@@ -99,8 +99,8 @@ def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block
   static_scale, traced_scale = split_scale(scale)
   return _paged_decode_attention(
       query, k_pages, v_pages, key_value_seq_lengths, block_table, bias, mask, traced_scale, sinks,
-      scale=static_scale, local_window_size=check_window(local_window_size),
-      logits_soft_cap=check_soft_cap(logits_soft_cap), num_splits=num_splits,
+      scale=static_scale, local_window_size=window_size(local_window_size),
+      logits_soft_cap=soft_cap(logits_soft_cap), num_splits=num_splits,
       return_residual=return_residual, return_partials=return_partials, config=config,
       interpret=interpret)
 
@@ -216,5 +216,5 @@ def paged_decode_attention_reference(query, k_pages, v_pages, key_value_seq_leng
   table = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)
   return attention_reference(query, gather_pages(k_pages, table), gather_pages(v_pages, table), bias, mask,
                              scale=query.shape[-1] ** -0.5 if scale is None else scale,
-                             key_value_seq_lengths=lengths, local_window_size=check_window(local_window_size),
+                             key_value_seq_lengths=lengths, local_window_size=window_size(local_window_size),
                              logits_soft_cap=logits_soft_cap, sinks=sinks)
