@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxflash
+
 ALPHABET = b"abcdefghijklmnop"
 
 
@@ -38,9 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--seq-len", type=int, default=64, help="tokens per row (default: 64)")
   parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
   parser.add_argument("--weight-decay", type=float, default=0.01)
-  parser.add_argument("--attention", choices=("jaxflash", "xla", "cudnn"), default="jaxflash",
-                      help="jaxflash kernels (default), jaxflash's plain-JAX path, or jax.nn's "
-                      "cuDNN (GPU only)")
+  parser.add_argument("--attention", choices=[name for name in jaxflash.IMPLEMENTATIONS if name],
+                      default=None, help="jaxflash.attention's implementation (default: the best "
+                      "kernel for the device; xla: jaxflash's plain-JAX path; cudnn: GPU only)")
   parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the "
                       "checkpoint's dtype; float32 for the random model)")
   parser.add_argument("--seed", type=int, default=0)
@@ -133,7 +135,7 @@ def train(args, log=print) -> list[float]:
   import optax
   from tqdm.auto import tqdm
   model, tokenizer, label = load(args)
-  impl = {"jaxflash": None, "xla": "xla", "cudnn": "cudnn"}[args.attention]
+  impl = args.attention
   backend = jax.default_backend()
   kernels = "jaxflash kernels" + ("" if backend == "gpu" else " (Pallas interpret mode: no GPU)")
   log(f"model:     {label}")
