@@ -2,7 +2,7 @@
 
 Shapes: 12 query heads, 2 KV heads, head dim 128, bf16, causal; batch 1 at n = 1K ... 32K and
 batch 4 at 4096. Every implementation of a row runs in one process and one profiler
-session, timed on device time (the sum of the GPU kernels one call launches,
+trace, timed on device time (the sum of the GPU kernels one call launches,
 bench/timing.py). A call is jax.vjp of the attention with a fixed cotangent: the forward and
 the backward. TFLOP/s count FLOPs as FlashAttention-2 does: the causal forward's
 4 n^2 d per head halved, times 3.5 (forward 1 + backward 2.5).
