@@ -234,7 +234,8 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
         return sharding.decode(kernel, q, k, v, kv_len, **arrays)
       result = _differentiable(forward, query, key, value, None, kv_lengths, mods=mods,
                                scale=static_scale, **options)
-  elif paged and _paged_prefill_serves(mods, static_scale, options):
+  elif (paged and _paged_prefill_serves(mods, static_scale, options)
+        and not (sharding.manual_axes() and use_interpret())):
     from jaxflash.paged_prefill import paged_prefill_attention
     kernel = functools.partial(paged_prefill_attention, scale=static_scale,
                                is_causal=mods.is_causal, return_residual=True)

@@ -34,6 +34,7 @@ from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_mask
 from jaxflash.configs import DecodeConfig
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import soft_cap, window_size
+from jaxflash.sharding import result_struct
 
 NEG_INF = float("-inf")
 
@@ -396,12 +397,15 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
   final = splits == 1 and merge
   # With sinks, the partials carry one more chunk: the sink's (see the kernel).
   slots = splits + int(options.sinks is not None)
+  # Inside jax.shard_map the results vary over every manual axis the inputs do.
+  inputs = (lengths, table, options.scale, options.sinks, options.bias, options.mask, query3,
+            k_rows, v_rows)
   if final:  # one chunk: the kernel writes the answer itself and no combine runs
-    out_shape = [jax.ShapeDtypeStruct((batch, num_heads, head_dim), out_dtype),
-                 jax.ShapeDtypeStruct((batch, num_heads), jnp.float32)]
+    out_shape = [result_struct((batch, num_heads, head_dim), out_dtype, *inputs),
+                 result_struct((batch, num_heads), jnp.float32, *inputs)]
   else:
-    out_shape = [jax.ShapeDtypeStruct((batch, slots, num_heads, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, slots, num_heads), jnp.float32)]
+    out_shape = [result_struct((batch, slots, num_heads, head_dim), jnp.float32, *inputs),
+                 result_struct((batch, slots, num_heads), jnp.float32, *inputs)]
   fp32 = jnp.dtype(k_rows.dtype) == jnp.float32
   full = lambda x: None if x is None else tuple(d > 1 for d in x.shape)  # noqa: E731
   kernel = functools.partial(
@@ -459,8 +463,8 @@ def _combine(o_part, lse_part, *, out_dtype, interpret: bool):
     return pl.pallas_call(
         functools.partial(_combine_kernel, num_splits=splits, head_dim=head_dim, block_h=block_h),
         grid=(batch, num_heads, pl.cdiv(head_dim, block_h)),
-        out_shape=[jax.ShapeDtypeStruct((batch, num_heads, head_dim), out_dtype),
-                   jax.ShapeDtypeStruct((batch, num_heads), jnp.float32)],
+        out_shape=[result_struct((batch, num_heads, head_dim), out_dtype, o_part, lse_part),
+                   result_struct((batch, num_heads), jnp.float32, o_part, lse_part)],
         compiler_params=CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="jaxflash_decode_combine",

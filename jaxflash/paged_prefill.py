@@ -30,6 +30,7 @@ from jaxflash.configs import PrefillConfig
 from jaxflash.paged import _paged_tile
 from jaxflash.prefill import APPROX_EXP2, _block_size, _check_config
 from jaxflash.reference import attention_reference, gather_pages
+from jaxflash.sharding import result_struct
 
 __all__ = ["paged_prefill_attention", "paged_prefill_reference"]
 
@@ -212,9 +213,10 @@ def paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
   if not return_residual:
     kernel = _without_lse(kernel)
 
-  out_shape = [jax.ShapeDtypeStruct(query.shape, query.dtype)]
+  inputs = (q_lengths, kv_lengths, block_table, query, k_pages, v_pages)
+  out_shape = [result_struct(query.shape, query.dtype, *inputs)]
   if return_residual:
-    out_shape.append(jax.ShapeDtypeStruct((batch, seq_q, num_heads), jnp.float32))
+    out_shape.append(result_struct((batch, seq_q, num_heads), jnp.float32, *inputs))
   # [P, page, K, H] -> [P * page, K, H]: a bitcast, the pool is read in place.
   k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
   v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
