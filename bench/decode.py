@@ -144,14 +144,16 @@ def cache_bytes(batch: int, length: int) -> int:
   return batch * length * NUM_KV_HEADS * HEAD_DIM * 2 * 2
 
 
-def make_layers(batch: int, capacity: int, count: int, seed: int):
-  """`count` layers of (q [B, 1, N, H], k, v [B, S, K, H]) random bf16."""
+def make_layers(batch: int, capacity: int, count: int, seed: int, *, heads: int = NUM_HEADS,
+                kv_heads: int = NUM_KV_HEADS):
+  """`count` layers of (q [B, 1, N, H], k, v [B, S, K, H]) random bf16, each its own arrays
+  (so a call over them reads cold caches)."""
   @jax.jit
   def one(key):
     kq, kk, kv = jax.random.split(key, 3)
-    return (jax.random.normal(kq, (batch, 1, NUM_HEADS, HEAD_DIM), DTYPE),
-            jax.random.normal(kk, (batch, capacity, NUM_KV_HEADS, HEAD_DIM), DTYPE),
-            jax.random.normal(kv, (batch, capacity, NUM_KV_HEADS, HEAD_DIM), DTYPE))
+    return (jax.random.normal(kq, (batch, 1, heads, HEAD_DIM), DTYPE),
+            jax.random.normal(kk, (batch, capacity, kv_heads, HEAD_DIM), DTYPE),
+            jax.random.normal(kv, (batch, capacity, kv_heads, HEAD_DIM), DTYPE))
   keys = jax.random.split(jax.random.key(seed), count)
   return [one(keys[i]) for i in range(count)]
 

@@ -27,16 +27,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-try:  # bench split by concept (main from 3c2146b on)
-  from bench import timing
-  from bench.cli import TimeLimit, begin_run, bench_arguments, log
-  from bench.report import markdown_table, value_with_pct, write_results
-except ImportError:  # the single bench module before the split
-  from bench import common as timing
-  from bench.common import Budget as TimeLimit
-  from bench.common import begin_run, bench_arguments, log, markdown_table, value_with_pct, write_results
+from bench import timing
+from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.decode import HEAD_DIM, make_layers
+from bench.report import markdown_table, value_with_pct, write_results
 
-KV_HEADS, HEAD_DIM, DTYPE = 2, 128, jnp.bfloat16
+KV_HEADS = 2
 MIB = 2**20
 LABELS = {"jaxflash_window": "jaxflash windowed", "jaxflash_paged16_window": "jaxflash paged 16 windowed",
           "jaxflash_plain": "jaxflash plain (window-sized cache)", "cudnn_window": "cuDNN windowed (jax.nn)",
@@ -84,17 +80,6 @@ def _highest_precision():
   return ctx("highest") if ctx is not None else contextlib.nullcontext()
 
 
-def _layers(count: int, batch: int, capacity: int, heads: int, kv_heads: int, seed: int):
-  @jax.jit
-  def one(key):
-    kq, kk, kv = jax.random.split(key, 3)
-    return (jax.random.normal(kq, (batch, 1, heads, HEAD_DIM), DTYPE),
-            jax.random.normal(kk, (batch, capacity, kv_heads, HEAD_DIM), DTYPE),
-            jax.random.normal(kv, (batch, capacity, kv_heads, HEAD_DIM), DTYPE))
-  keys = jax.random.split(jax.random.key(seed), count)
-  return [one(keys[i]) for i in range(count)]
-
-
 def time_cells(cells: dict, layers: list, lengths, max_sites: int, touched: int, time_limit, row: dict,
                window=None, ref_layer=None):
   """Times each cell {name: attention(q, k, v, lengths)} over the layers (several argument
@@ -137,7 +122,7 @@ def windowed_row(capacity: int, window: int, page: int, min_bytes: int, max_site
   row = {"case": f"window {window} of {capacity}", "context": capacity, "window": window, "layers": count,
          "bytes_per_layer": touched, "errors": {}, "max_abs_error": {}}
   lengths = jnp.full((1,), capacity, jnp.int32)
-  layers = _layers(count, 1, capacity, 12, KV_HEADS, seed=1)
+  layers = make_layers(1, capacity, count, seed=1, heads=12, kv_heads=KV_HEADS)
   time_cells({"jaxflash_window": _decode(local_window_size=window_size),
               "cudnn_window": _jax_nn("cudnn", local_window_size=window_size)},
              layers, lengths, max_sites, touched, time_limit, row, window=window_size)
@@ -153,7 +138,7 @@ def windowed_row(capacity: int, window: int, page: int, min_bytes: int, max_site
   del pools, first
   timing.free_memory()
   # The same window read as a whole cache: the plain kernels on window-sized caches.
-  plain = _layers(count, 1, window, 12, KV_HEADS, seed=2)
+  plain = make_layers(1, window, count, seed=2, heads=12, kv_heads=KV_HEADS)
   time_cells({"jaxflash_plain": _decode(), "cudnn_plain": _jax_nn("cudnn")}, plain,
              jnp.full((1,), window, jnp.int32), max_sites, touched, time_limit, row)
   del plain
@@ -169,7 +154,7 @@ def gqa_row(capacity: int, heads: int, min_bytes: int, max_sites: int, time_limi
   count = max(2, math.ceil(min_bytes / touched))
   row = {"case": f"{heads} q heads / 1 KV head at {capacity}", "context": capacity, "heads": heads,
          "layers": count, "bytes_per_layer": touched, "errors": {}, "max_abs_error": {}}
-  layers = _layers(count, 1, capacity, heads, 1, seed=heads)
+  layers = make_layers(1, capacity, count, seed=heads, heads=heads, kv_heads=1)
   time_cells({"jaxflash": _decode(), "cudnn": _jax_nn("cudnn"), "xla": _jax_nn("xla")}, layers,
              jnp.full((1,), capacity, jnp.int32), max_sites, touched, time_limit, row)
   del layers

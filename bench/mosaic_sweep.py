@@ -24,19 +24,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-try:  # bench split by concept (main from 3c2146b on)
-  from bench import environment, timing
-  from bench.ceilings import measure as measure_ceilings
-  from bench.cli import log
-  from bench.report import RESULTS_DIR
-except ImportError:  # the single bench module before the split
-  from bench import common as timing
-  from bench.common import DEFAULT_OUT as RESULTS_DIR
-  from bench.common import ceilings as measure_ceilings
-  from bench.common import log
-  environment = timing
+from bench import environment, timing
+from bench.ceilings import measure as measure_ceilings
+from bench.cli import log
+from bench.report import RESULTS_DIR
 import jaxflash
 from jaxflash import mosaic
 

@@ -8,32 +8,18 @@ kernel (jaxflash.prefill_attention) reads [1, n, K, H] caches; the paged one
 64-token pages through a random block table. Both run in one profiler session per row.
 TFLOP/s count 4 d per visible (query, key) pair and head.
 
-  python bench/paged_prefill.py [--quick] [--out DIR]     # GPU, ~1-2 min on an H200
-  python bench/paged_prefill.py --smoke                   # tiny CPU run, interpret mode
+  python -m bench.paged_prefill [--quick] [--out DIR]     # GPU, ~1-2 min on an H200
+  python -m bench.paged_prefill --smoke                   # tiny CPU run, interpret mode
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-try:  # bench split by concept (main from 3c2146b on)
-  from bench import timing  # noqa: E402
-  from bench.cli import TimeLimit, begin_run, bench_arguments, log, smoke_out_dir  # noqa: E402
-  from bench.environment import env_metadata  # noqa: E402
-  from bench.report import RESULTS_DIR, format_value, value_with_pct, write_results  # noqa: E402
-  LIMIT = "time_limit_s"
-except ImportError:  # the single bench module before the split
-  from bench import common as timing  # noqa: E402
-  from bench.common import Budget as TimeLimit, DEFAULT_OUT as RESULTS_DIR  # noqa: E402
-  from bench.common import (begin_run, bench_arguments, env_metadata, format_value, log,  # noqa: E402
-                            smoke_out_dir, value_with_pct, write_results)
-  LIMIT = "budget_s"
+from bench import timing
+from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.report import format_value, value_with_pct, write_results
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -99,10 +85,10 @@ def columns(page_sizes):
 
 
 def main(argv=None):
-  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", **{LIMIT: 240.0},
+  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", time_limit_s=240.0,
                              quick="4K and 32K keys only")
   args = p.parse_args(argv)
-  budget = TimeLimit(getattr(args, LIMIT))
+  budget = TimeLimit(args.time_limit_s)
   if args.smoke:
     ns, chunk, page_sizes, ceiling_args = [128, 256], 64, (16, 64), dict(matmul_n=256, hbm_gib=1 / 64)
   else:
@@ -140,4 +126,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from bench import peers
 from bench.cli import TimeLimit, begin_run, bench_arguments, log
 from bench.report import format_value, markdown_table, value_with_pct, write_results
-from bench.timing import Timing, device_times_us, free_memory, has_gpu, try_call
+from bench.timing import Timing, device_times_us, free_memory, has_gpu, record_rates, try_call
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -169,20 +169,7 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, limit, check: bo
         t.output.astype(jnp.float32) - ref))) for impl, t in timings.items() if isinstance(t, Timing)}
     del ref
   flops = causal_flops(batch, n)
-  for impl in IMPLS:
-    t = timings.get(impl)
-    if isinstance(t, dict):
-      row["errors"][impl] = t["error"]
-    if not isinstance(t, Timing):
-      row[f"{impl}_tflops"] = None
-      continue
-    row[f"{impl}_us"] = t.us
-    row[f"{impl}_tflops"] = flops / (t.us * 1e-6) / 1e12
-    row[f"{impl}_pct"] = 100 * row[f"{impl}_tflops"] / ceiling_tflops if ceiling_tflops else None
-    row[f"{impl}_temp_mib"] = None if t.temp_bytes is None else t.temp_bytes / 2**20
-    row["kernels"][impl] = t.as_dict()
-    t.output = None
-    row["method"] = t.method
+  record_rates(row, timings, IMPLS, flops, ceiling_tflops)
   mha = timings.get("pallas_mha")
   if isinstance(mha, Timing) and mha.kernels:
     kernel_us = mha.kernel_us("mha_forward")

@@ -18,32 +18,21 @@ first token) mean / p50 / p99, ITL (gaps between a request's tokens) p50 / p99, 
 prefix-cache hits, and the engine's compilations (done in a warm-up before the clock starts;
 static batching's prompt buckets are compiled the same way).
 
-  python bench/serve.py [--quick] [--out DIR]     # GPU: ~4 min on an H200
-  python bench/serve.py --smoke                   # tiny model on the CPU, a few requests
+  python -m bench.serve [--quick] [--out DIR]     # GPU: ~4 min on an H200
+  python -m bench.serve --smoke                   # tiny model on the CPU, a few requests
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-try:  # bench split by concept (main from 3c2146b on)
-  from bench import timing  # noqa: E402
-  from bench.cli import TimeLimit, begin_run, bench_arguments, log, smoke_out_dir  # noqa: E402
-  from bench.environment import env_metadata  # noqa: E402
-  from bench.report import RESULTS_DIR, format_value, value_with_pct, write_results  # noqa: E402
-  LIMIT = "time_limit_s"
-except ImportError:  # the single bench module before the split
-  from bench import common as timing  # noqa: E402
-  from bench.common import Budget as TimeLimit, DEFAULT_OUT as RESULTS_DIR  # noqa: E402
-  from bench.common import (begin_run, bench_arguments, env_metadata, format_value, log,  # noqa: E402
-                            smoke_out_dir, value_with_pct, write_results)
-  LIMIT = "budget_s"
+from bench import timing
+from bench.cli import TimeLimit, bench_arguments, log, smoke_out_dir
+from bench.environment import env_metadata
+from bench.report import RESULTS_DIR, format_value, write_results
 
 SEED = 2026_12_01
 SYSTEM_PROMPT = 2048
@@ -235,10 +224,10 @@ def columns():
 
 
 def main(argv=None):
-  p = bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", **{LIMIT: 220.0},
+  p = bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", time_limit_s=220.0,
                              quick="fewer rates and requests")
   args = p.parse_args(argv)
-  budget = TimeLimit(getattr(args, LIMIT))
+  budget = TimeLimit(args.time_limit_s)
   shape = SMOKE if args.smoke else (QUICK if args.quick else FULL)
   out_dir = smoke_out_dir("serve") if args.smoke else Path(args.out or RESULTS_DIR)
   meta = env_metadata()
@@ -289,4 +278,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

@@ -268,3 +268,23 @@ def try_call(fn, *args, **kwargs):
 def free_memory():
   """Drops Python garbage so freed buffers return to JAX's allocator before the next case."""
   gc.collect()
+
+
+def record_rates(row: dict, timings: dict, names, flops: float, ceiling: float | None) -> None:
+  """Into `row`, for each contender of `names` timed in `timings`: its device time
+  (`{name}_us`), TFLOP/s of `flops` (`{name}_tflops`, None where it did not run), percent of
+  `ceiling`, scratch MiB, kernels and the timing method; a failure's text in row["errors"]."""
+  for name in names:
+    t = timings.get(name)
+    if isinstance(t, dict):
+      row["errors"][name] = t["error"]
+    if not isinstance(t, Timing):
+      row[f"{name}_tflops"] = None
+      continue
+    row[f"{name}_us"] = t.us
+    row[f"{name}_tflops"] = flops / (t.us * 1e-6) / 1e12
+    row[f"{name}_pct"] = 100 * row[f"{name}_tflops"] / ceiling if ceiling else None
+    row[f"{name}_temp_mib"] = None if t.temp_bytes is None else t.temp_bytes / 2**20
+    row["kernels"][name] = t.as_dict()
+    t.output = None
+    row["method"] = t.method

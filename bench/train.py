@@ -23,19 +23,16 @@ backward's BackwardConfig at n = 4096 and 16384.
 """
 from __future__ import annotations
 
-import types
 import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-# bench's modules by concept (timing, cli, report), read through one namespace here.
-from bench import cli as _cli, peers, report as _report, timing as _timing
-common = types.SimpleNamespace(**{**vars(_timing), **vars(_report), **vars(_cli)},
-                               Budget=_cli.TimeLimit)
-LIMIT_OPTION = "time_limit_s"
-log = common.log
+from bench import peers
+from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.report import format_value, markdown_table, value_with_pct, write_results
+from bench.timing import Timing, device_times_us, free_memory, has_gpu, record_rates, try_call
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -80,7 +77,7 @@ def pallas_mha_attention(q, k, v):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     return pallas_attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True,
-                                interpret=not common.has_gpu())
+                                interpret=not has_gpu())
 
 
 CONTENDERS = {"jaxflash": jaxflash_attention(), "jaxflash_default": jaxflash_default_attention,
@@ -123,34 +120,22 @@ def bench_row(batch: int, n: int, ceiling: float | None, budget, impls=IMPLS) ->
       row["errors"][impl] = "skipped: time budget"
     else:
       cases[impl] = (forward_backward(CONTENDERS[impl]), args)
-  timings = common.device_times_us(cases, log=log)
+  timings = device_times_us(cases, log=log)
   flops = train_flops(batch, n)
-  for impl in impls:
-    t = timings.get(impl)
-    if isinstance(t, dict):
-      row["errors"][impl] = t["error"]
-    if not isinstance(t, common.Timing):
-      row[f"{impl}_tflops"] = None
-      continue
-    row[f"{impl}_us"] = t.us
-    row[f"{impl}_tflops"] = flops / (t.us * 1e-6) / 1e12
-    row[f"{impl}_pct"] = 100 * row[f"{impl}_tflops"] / ceiling if ceiling else None
-    row[f"{impl}_temp_mib"] = None if t.temp_bytes is None else t.temp_bytes / 2**20
-    row["kernels"][impl] = t.as_dict()
-    row["method"] = t.method
+  record_rates(row, timings, impls, flops, ceiling)
   jf = row.get("jaxflash_tflops")
   for other in ("cudnn", "pallas_mha", "fa3", "tokamax"):
     theirs = row.get(f"{other}_tflops")
     row[f"jf_over_{other}"] = jf / theirs if jf and theirs else None
   del args
-  common.free_memory()
+  free_memory()
   return row
 
 
 def sweep(n: int, ceiling: float | None, budget, grid) -> list[dict]:
   """jaxflash fwd+bwd at n tokens (batch 1) for each BackwardConfig of `grid`."""
   from jaxflash.configs import BackwardConfig, backward_config
-  default = common.try_call(backward_config, HEAD_DIM, DTYPE)[0]
+  default = try_call(backward_config, HEAD_DIM, DTYPE)[0]
   args = make_inputs(1, n)
   rows, cases = [], {}
   for tiles in grid:
@@ -165,16 +150,16 @@ def sweep(n: int, ceiling: float | None, budget, grid) -> list[dict]:
       row["error"] = "skipped: time budget"
       continue
     cases[row["config"]] = (forward_backward(jaxflash_attention(config)), args)
-  timings = common.device_times_us(cases, log=log)
+  timings = device_times_us(cases, log=log)
   for row in rows:
     t = timings.get(row["config"])
     if isinstance(t, dict):
       row["error"] = t["error"]
-    elif isinstance(t, common.Timing):
+    elif isinstance(t, Timing):
       row.update(us=t.us, tflops=train_flops(1, n) / (t.us * 1e-6) / 1e12)
       row["pct"] = 100 * row["tflops"] / ceiling if ceiling else None
   del args
-  common.free_memory()
+  free_memory()
   return rows
 
 
@@ -202,11 +187,11 @@ def model_rows(preset: str, n: int, budget) -> list[dict]:
       return jax.value_and_grad(lambda p: train.cross_entropy(
           nnx.merge(graphdef, p, rest), tokens, attention_impl))(params)
     cases[impl] = (step, (params, tokens))
-  timings = common.device_times_us(cases, max_iters=10, log=log)
+  timings = device_times_us(cases, max_iters=10, log=log)
   rows = []
   for impl, t in timings.items():
     row = {"model": label, "n": n, "impl": LABELS[impl]}
-    if isinstance(t, common.Timing):
+    if isinstance(t, Timing):
       row.update(step_ms=t.us / 1e3, temp_mib=None if t.temp_bytes is None else t.temp_bytes / 2**20,
                  method=t.method)
     else:
@@ -216,7 +201,7 @@ def model_rows(preset: str, n: int, budget) -> list[dict]:
   for row in rows:
     row["vs_jaxflash"] = row["step_ms"] / base if base and row.get("step_ms") else None
   del params, tokens
-  common.free_memory()
+  free_memory()
   return rows
 
 
@@ -237,15 +222,15 @@ GRIDS = {"full": SWEEP_GRID + SPLITS_GRID, "splits": SPLITS_GRID}
 
 def main_columns(impls):
   cols = [("batch", "B"), ("n", "n")]
-  cols += [(lambda r, i=impl: common.value_with_pct(r, f"{i}_tflops", f"{i}_pct"), LABELS[impl])
+  cols += [(lambda r, i=impl: value_with_pct(r, f"{i}_tflops", f"{i}_pct"), LABELS[impl])
            for impl in impls]
   cols += [(f"jf_over_{o}", f"jaxflash / {LABELS[o]}", "{:.2f}") for o in ("cudnn", "pallas_mha", "fa3")]
   return cols
 
 
 def parse_args(argv=None):
-  p = common.bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)",
-                             quick="n = 4096 and 16384 only", sweep=True, **{LIMIT_OPTION: 420.0})
+  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)",
+                             quick="n = 4096 and 16384 only", sweep=True, time_limit_s=420.0)
   p.add_argument("--no-model", dest="model", action="store_false", help="skip the model step row")
   p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
   p.add_argument("--sizes", default=None, help="comma-separated BxN cells, e.g. 1x4096,4x4096 "
@@ -258,7 +243,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  budget = common.Budget(getattr(args, LIMIT_OPTION))
+  budget = TimeLimit(args.time_limit_s)
   if args.smoke:
     sizes, impls = [(1, 128), (2, 64)], ("jaxflash", "jaxflash_default", "pallas_mha", "xla")
     sweep_ns, grid = [128], [(16, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2, None, None, 2)]
@@ -271,7 +256,7 @@ def main(argv=None):
     impls = tuple(i for i in IMPLS if i in args.impls.split(","))
     sweep_ns, grid = [int(n) for n in args.sweep_ns.split(",")], GRIDS[args.grid]
     model_case, ceiling_args = ("qwen2.5-0.5b", 4096), dict(matmul_n=8192, hbm_gib=4.0)
-  meta, out_dir = common.begin_run("train", args, **ceiling_args)
+  meta, out_dir = begin_run("train", args, **ceiling_args)
   ceiling = meta["ceilings"].get("matmul_tflops")
   meta.update(title="Causal attention, forward + backward: TFLOP/s on device time",
               shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
@@ -290,18 +275,18 @@ def main(argv=None):
       notes.append(f"B={batch} n={n}: skipped (time budget)")
       continue
     log(f"[{budget.elapsed():6.1f}s] B={batch} n={n}")
-    row, err = common.try_call(bench_row, batch, n, ceiling, budget, impls)
+    row, err = try_call(bench_row, batch, n, ceiling, budget, impls)
     if err:
       notes.append(f"B={batch} n={n}: row failed: {err[:300]}")
       continue
     rows.append(row)
     notes += [f"B={batch} n={n} {LABELS[i]}: {e[:200]}" for i, e in row["errors"].items()]
-    log("  " + ", ".join(f"{i} {common.format_value(row.get(f'{i}_tflops'))}" for i in impls))
-    common.write_results("train", rows, meta, main_columns(impls), out_dir=out_dir, notes=notes)
+    log("  " + ", ".join(f"{i} {format_value(row.get(f'{i}_tflops'))}" for i in impls))
+    write_results("train", rows, meta, main_columns(impls), out_dir=out_dir, notes=notes)
 
   memory_rows = [{"batch": r["batch"], "n": r["n"], **{i: r.get(f"{i}_temp_mib") for i in impls}}
                  for r in rows]
-  common.write_results(
+  write_results(
       "train_memory", memory_rows, {**sub_meta, "title": "Forward + backward: peak XLA scratch memory (MiB)"},
       [("batch", "B"), ("n", "n"), *[(i, LABELS[i]) for i in impls]], out_dir=out_dir,
       notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
@@ -309,9 +294,9 @@ def main(argv=None):
   step_rows = []
   if args.model and not budget.exhausted():
     log(f"[{budget.elapsed():6.1f}s] model training step: {model_case}")
-    step_rows, err = common.try_call(model_rows, *model_case, budget)
+    step_rows, err = try_call(model_rows, *model_case, budget)
     step_rows = step_rows or [{"model": model_case[0], "error": err}]
-    common.write_results(
+    write_results(
         "train_step", step_rows, {**sub_meta, "title": "Whole-model training step (loss + all gradients)"},
         [("model", "model"), ("n", "tokens"), ("impl", "attention"), ("step_ms", "step ms", "{:.2f}"),
          ("vs_jaxflash", "/ jaxflash", "{:.2f}"), ("temp_mib", "scratch MiB", "{:.0f}"),
@@ -323,9 +308,9 @@ def main(argv=None):
       if budget.exhausted():
         break
       log(f"[{budget.elapsed():6.1f}s] backward sweep at n={n}")
-      got, err = common.try_call(sweep, n, ceiling, budget, grid)
+      got, err = try_call(sweep, n, ceiling, budget, grid)
       sweep_rows += got or [{"n": n, "config": "all", "error": err}]
-    common.write_results(
+    write_results(
         "train_sweep", sweep_rows, {**sub_meta, "title": "jaxflash fwd+bwd: BackwardConfig sweep, B=1"},
         [("n", "n"), ("config", "config"), ("tflops", "TFLOP/s"), ("pct", "% of matmul"),
          ("smem_kib", "smem KiB (model)"), ("default", "default"), ("error", "error", lambda e: e[:80])],
@@ -336,17 +321,17 @@ def main(argv=None):
           "xlabel": "sequence length n (batch 1)", "ylabel": "fwd+bwd TFLOP/s (device time)",
           "title": "Causal attention fwd+bwd, 12 q heads / 2 kv heads, d=128, bf16",
           "hline": (ceiling, "bf16 matmul ceiling")}
-  paths = common.write_results("train", rows, meta, main_columns(impls), plot=plot, out_dir=out_dir,
+  paths = write_results("train", rows, meta, main_columns(impls), plot=plot, out_dir=out_dir,
                                notes=notes, extra={"sweep": sweep_rows, "model_step": step_rows})
   log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
-  log(common.markdown_table(rows, [("batch", "B"), ("n", "n")] + [
+  log(markdown_table(rows, [("batch", "B"), ("n", "n")] + [
       (f"{i}_tflops", i) for i in impls] + [("jf_over_cudnn", "jf/cudnn", "{:.2f}"),
                                             ("jf_over_pallas_mha", "jf/mha", "{:.2f}")]))
   if step_rows:
-    log(common.markdown_table(step_rows, [("impl", "attention"), ("step_ms", "step ms", "{:.2f}"),
+    log(markdown_table(step_rows, [("impl", "attention"), ("step_ms", "step ms", "{:.2f}"),
                                           ("error", "error", lambda e: str(e)[:60])]))
   if sweep_rows:
-    log(common.markdown_table(sorted(sweep_rows, key=lambda r: (r["n"], -(r.get("tflops") or 0))),
+    log(markdown_table(sorted(sweep_rows, key=lambda r: (r["n"], -(r.get("tflops") or 0))),
                               [("n", "n"), ("config", "config"), ("tflops", "TFLOP/s", "{:.0f}"),
                                ("default", "default")]))
 

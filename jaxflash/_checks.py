@@ -3,6 +3,7 @@ offending argument and its shape, so a mistake surfaces before any kernel is bui
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -96,23 +97,40 @@ def scale_operand(scale, head_dim: int):
   return jnp.asarray(scale, jnp.float32).reshape(())
 
 
-def broadcast_rank4(name: str, x, shape: tuple[int, ...]):
-  """x broadcastable to `shape` (rank 4) -> x as rank 4, each axis 1 or shape's; no copy."""
+def split_scale(scale):
+  """scale -> (static float or None, traced float32 [1] or None). A Python or NumPy number
+  stays static (a constant in the kernel, as before options existed); a JAX array or tracer
+  becomes an operand, so new values never recompile."""
+  if scale is None:
+    return None, None
+  if isinstance(scale, bool) or not (isinstance(scale, (int, float, np.number, np.ndarray))
+                                     or hasattr(scale, "dtype")):
+    raise TypeError(f"scale must be a number or a scalar array, got {type(scale).__name__}")
+  if np.size(scale) != 1 or not jnp.issubdtype(jnp.result_type(scale), jnp.number):
+    raise ValueError(f"scale must be a real scalar, got shape {np.shape(scale)} and dtype "
+                     f"{jnp.result_type(scale)}")
+  if isinstance(scale, (int, float, np.number, np.ndarray)):
+    return float(np.asarray(scale).reshape(())), None
+  return None, jnp.asarray(scale, jnp.float32).reshape(1)
+
+
+def broadcast_rank4(name: str, x, shape: tuple[int, ...], axes: str = "[B, N, T, S]"):
+  """x broadcastable to `shape` (rank 4, its axes named `axes` in errors) -> x as rank 4,
+  each axis 1 or shape's; no copy."""
   if x.ndim > len(shape) or any(d not in (1, full) for d, full in zip(x.shape[::-1], shape[::-1])):
-    raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {tuple(shape)}, got "
-                     f"{_describe(x)}")
+    raise ValueError(f"{name} must be broadcastable to {axes} = {tuple(shape)}, got {_describe(x)}")
   return x.reshape((1,) * (len(shape) - x.ndim) + tuple(x.shape))
 
 
-def check_bias(bias, shape: tuple[int, ...]):
+def check_bias(bias, shape: tuple[int, ...], axes: str = "[B, N, T, S]"):
   """bias: float, broadcastable to shape [B, N, T, S]; returned as rank 4 (None stays None)."""
   if bias is None:
     return None
   check_float("bias", bias)
-  return broadcast_rank4("bias", bias, shape)
+  return broadcast_rank4("bias", bias, shape, axes)
 
 
-def check_mask(mask, shape: tuple[int, ...]):
+def check_mask(mask, shape: tuple[int, ...], axes: str = "[B, N, T, S]"):
   """mask: bool (True = attend), broadcastable to shape [B, N, T, S]; returned as rank 4."""
   if mask is None:
     return None
@@ -120,7 +138,7 @@ def check_mask(mask, shape: tuple[int, ...]):
     mask = jnp.asarray(mask)
   if mask.dtype != jnp.bool_:
     raise TypeError(f"mask must be a boolean array (True = attend), got {_describe(mask)}")
-  return broadcast_rank4("mask", mask, shape)
+  return broadcast_rank4("mask", mask, shape, axes)
 
 
 def check_sinks(sinks, num_heads: int):

@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxflash import _checks, configs
@@ -491,68 +490,32 @@ def check_return_flags(return_residual: bool, return_partials: bool) -> None:
                      "SplitKV carries their log-sum-exps")
 
 
-def split_scale(scale):
-  """scale -> (static float or None, traced float32 [1] or None). A Python or NumPy number
-  stays static (a constant in the kernel, as before options existed); a JAX array or tracer
-  becomes an operand, so new values never recompile."""
-  if scale is None:
-    return None, None
-  if isinstance(scale, bool) or not (isinstance(scale, (int, float, np.number, np.ndarray))
-                                     or hasattr(scale, "dtype")):
-    raise TypeError(f"scale must be a number or a scalar array, got {type(scale).__name__}")
-  if np.size(scale) != 1 or not jnp.issubdtype(jnp.result_type(scale), jnp.number):
-    raise ValueError(f"scale must be a real scalar, got shape {np.shape(scale)} and dtype "
-                     f"{jnp.result_type(scale)}")
-  if isinstance(scale, (int, float, np.number, np.ndarray)):
-    return float(np.asarray(scale).reshape(())), None
-  return None, jnp.asarray(scale, jnp.float32).reshape(1)
-
-
-def _broadcast_view(name: str, x, target: tuple[int, int, int, int], *, boolean: bool):
-  """bias/mask broadcastable to target [B, N, 1, S] -> [B or 1, N or 1, S or 1], no copy
-  (a mask is converted to int8 at its own size)."""
+def _kernel_view(x):
+  """A checked bias/mask [B or 1, N or 1, 1, S or 1] -> [B or 1, N or 1, S or 1], no copy (a
+  mask is converted to int8 at its own size)."""
   if x is None:
     return None
-  if not hasattr(x, "dtype"):
-    x = jnp.asarray(x)
-  if boolean and jnp.dtype(x.dtype) != jnp.bool_:
-    raise TypeError(f"{name} must be a boolean array (True = attend), got shape {tuple(x.shape)} and "
-                    f"dtype {jnp.dtype(x.dtype).name}")
-  if not boolean and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{name} must be a float array, got shape {tuple(x.shape)} and dtype "
-                    f"{jnp.dtype(x.dtype).name}")
-  shape = tuple(x.shape)
-  if len(shape) > 4 or any(d not in (1, t) for d, t in zip(shape[::-1], target[::-1])):
-    raise ValueError(f"{name} must be broadcastable to [B, N, 1, S] = {list(target)} (S the capacity), "
-                     f"got {name} of shape {shape}")
-  x = x.reshape((1,) * (4 - len(shape)) + shape)
   x = x.reshape(x.shape[0], x.shape[1], x.shape[3])
-  return x.astype(jnp.int8) if boolean else x
+  return x.astype(jnp.int8) if x.dtype == jnp.bool_ else x
 
 
 def decode_options(query, capacity: int, *, bias, mask, traced_scale, scale, sinks, local_window_size,
                    logits_soft_cap) -> DecodeOptions:
   """Checks a decode call's options (trace time, naming the argument and its shape)."""
   batch, _, num_heads, head_dim = query.shape
-  target = (batch, num_heads, 1, capacity)
-  if sinks is not None:
-    if not hasattr(sinks, "dtype"):
-      sinks = jnp.asarray(sinks)
-    if tuple(sinks.shape) != (num_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-      raise ValueError(f"sinks must be a float array of shape ({num_heads},) (one logit per query "
-                       f"head), got shape {tuple(sinks.shape)} and dtype {jnp.dtype(sinks.dtype).name}")
-    sinks = sinks.astype(jnp.float32)
+  target = (batch, num_heads, 1, capacity)  # S: the cache's capacity
+  bias = _checks.check_bias(bias, target, axes="[B, N, 1, S]")
+  mask = _checks.check_mask(mask, target, axes="[B, N, 1, S]")
   window = window_size(local_window_size)
   return DecodeOptions(
-      bias=_broadcast_view("bias", bias, target, boolean=False),
-      mask=_broadcast_view("mask", mask, target, boolean=True),
-      scale=traced_scale, sinks=sinks,
+      bias=_kernel_view(bias), mask=_kernel_view(mask), scale=traced_scale,
+      sinks=_checks.check_sinks(sinks, num_heads),
       static_scale=None if traced_scale is not None else _checks.default_scale(scale, head_dim),
       window_left=None if window is None else window[0],
       soft_cap=soft_cap(logits_soft_cap))
 
 
-# Static arguments of the jitted decode functions, after `split_scale` took a traced scale out.
+# Static arguments of the jitted decode functions, after `_checks.split_scale` took a traced scale out.
 STATIC_ARGNAMES = ("scale", "local_window_size", "logits_soft_cap", "num_splits", "return_residual",
                    "return_partials", "config", "interpret")
 
@@ -587,7 +550,7 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, bia
   logit with sinks). With `return_partials=True` the chunks are not merged: their SplitKV
   comes back instead (with sinks its last chunk is the sink's), for `jaxflash.project_split_kv`.
   """
-  static_scale, traced_scale = split_scale(scale)
+  static_scale, traced_scale = _checks.split_scale(scale)
   return _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks,
                            scale=static_scale, local_window_size=window_size(local_window_size),
                            logits_soft_cap=soft_cap(logits_soft_cap), num_splits=num_splits,

@@ -28,7 +28,7 @@ from jaxflash import _checks, configs
 from jaxflash._triton import load, pl, use_interpret
 from jaxflash.configs import DecodeConfig
 from jaxflash.decode import (STATIC_ARGNAMES, check_decode_query, check_return_flags, decode_options,
-                             launch_split_kv, public_outputs, resolve_config, split_scale)
+                             launch_split_kv, public_outputs, resolve_config)
 from jaxflash.reference import attention_reference, gather_pages
 from jaxflash.score_mods import soft_cap, window_size
 
@@ -96,7 +96,7 @@ def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block
   `jaxflash.decode_config(H, dtype, paged=True)`), return_partials and interpret as in
   `decode_attention`.
   """
-  static_scale, traced_scale = split_scale(scale)
+  static_scale, traced_scale = _checks.split_scale(scale)
   return _paged_decode_attention(
       query, k_pages, v_pages, key_value_seq_lengths, block_table, bias, mask, traced_scale, sinks,
       scale=static_scale, local_window_size=window_size(local_window_size),

@@ -28,7 +28,7 @@ from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load_mask
                               store, use_interpret)
 from jaxflash.configs import PrefillConfig
 from jaxflash.paged import _paged_tile
-from jaxflash.prefill import APPROX_EXP2, _block_size, _check_config
+from jaxflash.prefill import APPROX_EXP2, _block_size, resolve_config
 from jaxflash.reference import attention_reference, gather_pages
 from jaxflash.sharding import result_struct
 
@@ -186,12 +186,7 @@ def paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
   if num_pages == 0:
     raise ValueError(f"the pool needs at least one page, got k_pages {tuple(k_pages.shape)}")
   scale = _checks.default_scale(scale, head_dim)
-  tile_dtype = jnp.promote_types(query.dtype, k_pages.dtype)
-  if config is None:
-    config = configs.prefill_config(head_dim, tile_dtype)
-  else:
-    _check_config(config)
-    configs.check_fits(config, head_dim, tile_dtype)
+  config = resolve_config(config, head_dim, jnp.promote_types(query.dtype, k_pages.dtype))
 
   capacity = block_table.shape[1] * page_size
   if 0 in (batch, seq_q, num_heads, head_dim) or capacity == 0:

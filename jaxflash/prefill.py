@@ -201,6 +201,15 @@ def _check_config(config) -> None:
     raise ValueError(f"config needs num_warps >= 1 and num_stages >= 1, got {config}")
 
 
+def resolve_config(config, head_dim: int, dtype) -> PrefillConfig:
+  """config checked, or the tuned default for this head dim and dtype."""
+  if config is None:
+    return configs.prefill_config(head_dim, dtype)
+  _check_config(config)
+  configs.check_fits(config, head_dim, dtype)
+  return config
+
+
 def _block_size(limit: int, length: int) -> int:
   """`limit`, or less for short sequences: a power of two >= 16 covering `length`."""
   return min(limit, max(MIN_BLOCK, 1 << (max(length, 1) - 1).bit_length()))
@@ -254,11 +263,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                    window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
   scale = _checks.scale_operand(scale, head_dim)
   tile_dtype = jnp.promote_types(query.dtype, key.dtype)
-  if config is None:
-    config = configs.prefill_config(head_dim, tile_dtype)
-  else:
-    _check_config(config)
-    configs.check_fits(config, head_dim, tile_dtype)
+  config = resolve_config(config, head_dim, tile_dtype)
   from jaxflash import prefill_backward  # it imports this module's helpers
   backward_config = prefill_backward.resolve_config(backward_config, head_dim, tile_dtype)
 

@@ -16,6 +16,18 @@ HAS_GPU = jax.default_backend() == "gpu"
 NUM_DEVICES = jax.device_count()
 
 
+def _mosaic_prefill_runs() -> bool:
+  from jaxflash.mosaic import supports
+  shape = jax.ShapeDtypeStruct((1, 8, 1, 64), jnp.bfloat16)
+  return supports(shape, shape, shape) is None
+
+
+# Tests of the Mosaic GPU prefill's compiled kernel: on a GPU without it (before sm_90),
+# skipped with the reason.
+SM90_ONLY = pytest.mark.skipif(HAS_GPU and not _mosaic_prefill_runs(),
+                               reason="the Mosaic prefill needs an sm_90+ GPU")
+
+
 def _runs_here(item) -> bool:
   if item.get_closest_marker("gpu") and not HAS_GPU:
     return False

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import configs
 from jaxflash.configs import DecodeConfig
 from jaxflash.decode import (SplitKV, _decode_attention, chunk_bounds, chunking, decode_attention,
                              decode_attention_reference, decode_combine_reference)
@@ -345,10 +344,11 @@ def _bad_call(paged=False, **options):
     (dict(bias=jnp.zeros((3, 1, 1, 32))), ValueError, r"bias .*shape \(3, 1, 1, 32\)"),
     (dict(bias=jnp.zeros((31,))), ValueError, r"bias .*shape \(31,\)"),
     (dict(bias=jnp.zeros((1, 2, 4, 1, 32))), ValueError, r"bias .*shape \(1, 2, 4, 1, 32\)"),
-    (dict(bias=jnp.zeros((32,), jnp.int32)), TypeError, r"bias must be a float array"),
+    (dict(bias=jnp.zeros((32,), jnp.int32)), TypeError, r"bias must be bfloat16, float16 or float32"),
     (dict(mask=jnp.ones((2, 4, 1, 33), bool)), ValueError, r"mask must be broadcastable.*\(2, 4, 1, 33\)"),
     (dict(mask=jnp.ones((32,), jnp.float32)), TypeError, r"mask must be a boolean array"),
-    (dict(sinks=jnp.zeros((2,))), ValueError, r"sinks must be a float array of shape \(4,\).*\(2,\)"),
+    (dict(sinks=jnp.zeros((2,))), ValueError, r"sinks must have shape \(4,\).*\(2,\)"),
+    (dict(sinks=jnp.zeros((4,), jnp.int32)), TypeError, r"sinks must be a float array"),
     (dict(local_window_size=-1), ValueError, r"local_window_size must be"),
     (dict(local_window_size=(3, 4, 5)), ValueError, r"local_window_size must be"),
     (dict(logits_soft_cap=0.0), ValueError, r"logits_soft_cap must be"),

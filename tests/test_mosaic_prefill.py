@@ -20,17 +20,16 @@ from jaxflash import _mosaic
 from jaxflash import mosaic
 from jaxflash.device import A100, H200, RTX_3090, RTX_4060_LAPTOP, DeviceInfo
 from jaxflash.mosaic import MosaicPrefillConfig, mosaic_prefill_config, prefill_attention, supports
-from tests.conftest import HAS_GPU, assert_close, poison_allocator, random_array
+from tests.conftest import HAS_GPU, SM90_ONLY, assert_close, poison_allocator
 from tests.reference_np import attention_f64
-from tests.test_prefill import _check, _qkv
+from tests.test_prefill import _check, _qkv, check_ragged_lengths
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 gpu = pytest.mark.gpu
-SM90_ONLY = pytest.mark.skipif(
-    HAS_GPU and supports(jax.ShapeDtypeStruct((1, 8, 1, 64), BF16),
-                         jax.ShapeDtypeStruct((1, 8, 1, 64), BF16),
-                         jax.ShapeDtypeStruct((1, 8, 1, 64), BF16)) is not None,
-    reason="the Mosaic prefill needs an sm_90+ GPU")
+# Checks that hold only off the GPU, and checks of `supports` that need Mosaic GPU in this JAX.
+CPU_ONLY = pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a GPU")
+NEEDS_MOSAIC = pytest.mark.skipif(not _mosaic.AVAILABLE,
+                                  reason=f"no Mosaic GPU in this JAX: {_mosaic.IMPORT_ERROR}")
 
 
 def _run(q, k, v, q_lengths=None, kv_lengths=None, **kwargs):
@@ -88,24 +87,9 @@ def test_matches_reference(case, rng):
 @SM90_ONLY
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_ragged_lengths_ignore_padding(causal, rng):
-  # Sequences: full; short queries over a long cache; zero keys; zero queries; more queries
-  # than keys (causal: the first rows see nothing); kv shorter than S with T < S.
-  q_lengths = np.array([145, 7, 130, 0, 145, 20], np.int32)
-  kv_lengths = np.array([261, 261, 0, 150, 13, 133], np.int32)
-  q, k, v = _qkv(rng, 6, 145, 261, 4, 2, 128, BF16)
-  rows, keys = np.arange(145), np.arange(261)
-  pad_q = (rows[None, :] >= q_lengths[:, None])[:, :, None, None]
-  pad_kv = (keys[None, :] >= kv_lengths[:, None])[:, :, None, None]
-  # Padding holds garbage (NaN and inf): none of it may reach the output.
-  dirty_q = jnp.where(pad_q, jnp.nan, q)
-  dirty_k = jnp.where(pad_kv, jnp.inf, k)
-  dirty_v = jnp.where(pad_kv, jnp.nan, v)
-  out, lse = _run(dirty_q, dirty_k, dirty_v, jnp.asarray(q_lengths), jnp.asarray(kv_lengths),
-                  is_causal=causal)
-  _check(out, lse, q, k, v, is_causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
-  out = np.asarray(out.astype(F32))
-  assert (out[np.broadcast_to(pad_q, out.shape)] == 0).all(), "padded query rows must be zeros"
-  assert (out[2] == 0).all() and np.isneginf(np.asarray(lse)[2]).all(), "zero keys: zeros, LSE -inf"
+  check_ragged_lengths(
+      lambda q, k, v, q_len, kv_len, is_causal: _run(q, k, v, q_len, kv_len, is_causal=is_causal),
+      rng, causal=causal, seq_q=145, seq_kv=261, head_dim=128)
 
 
 @gpu
@@ -174,12 +158,11 @@ def test_guarded_import():
   assert hasattr(mosaic, "prefill_attention") and hasattr(mosaic, "supports")
 
 
+@NEEDS_MOSAIC
 @pytest.mark.parametrize("info", [H200, DeviceInfo("NVIDIA B200", (10, 0), 148, 227 * 1024)],
                          ids=["h200", "b200"])
 @pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (BF16, 128), (F16, 256), (F16, 192)])
 def test_supports_hopper_shapes(info, dtype, head_dim):
-  if not _mosaic.AVAILABLE:
-    pytest.skip(f"no Mosaic GPU in this JAX: {_mosaic.IMPORT_ERROR}")
   assert supports(*_shapes(dtype, head_dim), info=info) is None
   assert supports(*_shapes(dtype, head_dim), is_causal=True, scale=0.1,
                   causal_alignment="bottom_right", info=info) is None
@@ -191,6 +174,7 @@ def test_older_gpus_are_refused(info, match):
   assert reason is not None and (match in reason or not _mosaic.AVAILABLE)
 
 
+@NEEDS_MOSAIC
 @pytest.mark.parametrize("shapes,options,match", [
     (_shapes(F32), {}, "float32"),
     (_shapes(BF16, 80), {}, "head_dim=80"),
@@ -206,15 +190,12 @@ def test_older_gpus_are_refused(info, match):
     (_shapes(), {"causal_alignment": "top_left"}, "causal_alignment"),
 ])
 def test_unsupported_calls_give_a_reason(shapes, options, match):
-  if not _mosaic.AVAILABLE:
-    pytest.skip(f"no Mosaic GPU in this JAX: {_mosaic.IMPORT_ERROR}")
   reason = supports(*shapes, info=H200, **options)
   assert reason is not None and match in reason, reason
 
 
+@CPU_ONLY
 def test_supports_without_a_gpu_says_so():
-  if HAS_GPU:
-    pytest.skip("a GPU is present")
   reason = supports(*_shapes())
   assert reason is not None and ("GPU" in reason)
 
@@ -229,9 +210,8 @@ def test_configs_fit_and_are_tuned_per_head_dim():
   assert mosaic_prefill_config(128, BF16, small).smem_bytes(128, 2) <= small.smem_per_block
 
 
+@CPU_ONLY
 def test_off_the_gpu_it_raises_not_implemented():
-  if HAS_GPU:
-    pytest.skip("a GPU is present")
   q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(n=8))
   with pytest.raises(NotImplementedError, match="interpret"):
     prefill_attention(q, k, v, is_causal=True)
@@ -261,11 +241,11 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
 
 
 @pytest.mark.parametrize("config", [None, NAMED], ids=["default", "named"])
+@CPU_ONLY
+@NEEDS_MOSAIC
 def test_kernel_traces_on_this_jax(config, monkeypatch):
   """Off the GPU the kernel cannot run, but its body can be traced: this catches Mosaic GPU
   API drift (CI's JAX 0.10.2 against the GPU's 0.11) before a GPU run does."""
-  if HAS_GPU or not _mosaic.AVAILABLE:
-    pytest.skip("traced through a compiled run on a GPU; needs Mosaic GPU")
   monkeypatch.setattr(_mosaic, "interpret_params", lambda interpret: None)
   q = jax.ShapeDtypeStruct((2, 300, 6, 128), BF16)
   kv = jax.ShapeDtypeStruct((2, 333, 2, 128), BF16)

@@ -82,26 +82,33 @@ def test_matches_reference(case, interpret, rng):
   _check(out, lse, q, k, v, is_causal=causal)
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ragged_lengths_ignore_padding(causal, interpret, rng):
-  # Sequences: full; short queries over a long cache; zero keys; zero queries; more queries
-  # than keys (causal: the first rows see nothing); kv shorter than S with T < S.
-  q_lengths = np.array([45, 7, 30, 0, 45, 20], np.int32)
-  kv_lengths = np.array([61, 61, 0, 50, 13, 33], np.int32)
-  q, k, v = _qkv(rng, 6, 45, 61, 4, 2, 80, BF16)
-  # Padding holds garbage (NaN and inf): none of it may reach the output.
-  rows, keys = np.arange(45), np.arange(61)
+def check_ragged_lengths(run, rng, *, causal: bool, seq_q: int, seq_kv: int, head_dim: int) -> None:
+  """`run(q, k, v, q_lengths, kv_lengths, is_causal)` -> (out, lse) over six sequences: full;
+  short queries over a long cache; zero keys; zero queries; more queries than keys (causal:
+  the first rows see nothing); keys shorter than S with T < S. Padding holds garbage (NaN
+  and inf): none of it may reach the output; padded rows are zeros, zero keys give LSE -inf."""
+  q_lengths = np.array([seq_q, 7, seq_q - 15, 0, seq_q, 20], np.int32)
+  kv_lengths = np.array([seq_kv, seq_kv, 0, seq_kv - 11, 13, seq_kv - 28], np.int32)
+  q, k, v = _qkv(rng, 6, seq_q, seq_kv, 4, 2, head_dim, BF16)
+  rows, keys = np.arange(seq_q), np.arange(seq_kv)
   pad_q = (rows[None, :] >= q_lengths[:, None])[:, :, None, None]
   pad_kv = (keys[None, :] >= kv_lengths[:, None])[:, :, None, None]
   dirty_q = jnp.where(pad_q, jnp.nan, q)
   dirty_k = jnp.where(pad_kv, jnp.inf, k)
   dirty_v = jnp.where(pad_kv, jnp.nan, v)
-  out, lse = _run(dirty_q, dirty_k, dirty_v, jnp.asarray(q_lengths), jnp.asarray(kv_lengths),
-                  is_causal=causal, config=SMALL, interpret=interpret)
+  out, lse = run(dirty_q, dirty_k, dirty_v, jnp.asarray(q_lengths), jnp.asarray(kv_lengths), causal)
   _check(out, lse, q, k, v, is_causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
   out = np.asarray(out.astype(F32))
   assert (out[np.broadcast_to(pad_q, out.shape)] == 0).all(), "padded query rows must be zeros"
   assert (out[2] == 0).all() and np.isneginf(np.asarray(lse)[2]).all(), "zero keys: zeros, LSE -inf"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ragged_lengths_ignore_padding(causal, interpret, rng):
+  check_ragged_lengths(
+      lambda q, k, v, q_len, kv_len, is_causal: _run(q, k, v, q_len, kv_len, is_causal=is_causal,
+                                                     config=SMALL, interpret=interpret),
+      rng, causal=causal, seq_q=45, seq_kv=61, head_dim=80)
 
 
 def test_mixed_dtypes_and_scale(interpret, rng):

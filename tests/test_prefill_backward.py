@@ -24,7 +24,7 @@ import pytest
 
 import jaxflash
 from jaxflash import BackwardConfig, PrefillConfig, prefill_attention
-from tests.conftest import poison_allocator, random_array
+from tests.conftest import SM90_ONLY, poison_allocator, random_array
 
 SMALL = dict(config=PrefillConfig(16, 16), backward_config=BackwardConfig(16, 16))
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -392,15 +392,12 @@ def test_the_forward_is_pluggable(rng):
 
 
 @pytest.mark.gpu
+@SM90_ONLY
 def test_mosaic_forward_is_differentiable(rng):
   """On sm_90+: jax.grad through implementation="mosaic" (and the default path, which takes
   it) runs the Triton backward on the Mosaic forward's out and LSE; bf16 against float64."""
-  from jaxflash.attention import mosaic_reason
-  from jaxflash.score_mods import ScoreMods
   b, t, n, kh, h = 2, 384, 8, 2, 128
   q, k, v, d_out = _inputs(rng, b, t, t, n, kh, h, BF16)
-  if mosaic_reason(q, k, v, mods=ScoreMods(is_causal=True), forced=True) is not None:
-    pytest.skip("no Mosaic GPU prefill on this GPU")
   d_lse = jnp.zeros((b, t, n), F32)
   for impl in ("mosaic", None):
     attend = lambda q, k, v, bias, sinks, scale: jaxflash.attention(

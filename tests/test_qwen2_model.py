@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxflash
 import models.qwen2 as qwen2
 from models.qwen2.sampling import SamplingParams, sample_logits
 
