@@ -183,6 +183,8 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
   sinks = _checks.check_sinks(sinks, num_heads)
   _checks.scale_operand(scale, head_dim)  # shape and dtype errors name `scale` on every path
   options = dict(bias=bias, mask=mask, sinks=sinks)
+  # Interpreted inside jax.shard_map, only the prefill path's stand-in serves (prefill.py says why).
+  own_kernels = not (sharding.manual_axes() and use_interpret())
 
   if implementation == "xla":
     if paged:
@@ -205,9 +207,7 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     result = _differentiable(
         lambda q, k, v, q_len, kv_len, *_: sharding.prefill(kernel, q, k, v, q_len, kv_len),
         query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale)
-  elif (static_scale is not None and _decode_semantics(query, q_lengths, mods)
-        and not (sharding.manual_axes() and use_interpret())):
-    # (Interpreted inside jax.shard_map, the prefill path's stand-in serves: see prefill.py.)
+  elif own_kernels and static_scale is not None and _decode_semantics(query, q_lengths, mods):
     # Only the options given reach the decode kernels (each a keyword they take): the
     # arrays as operands, the static ones bound here.
     given = {name: x for name, x in options.items() if x is not None}
@@ -234,8 +234,7 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
         return sharding.decode(kernel, q, k, v, kv_len, **arrays)
       result = _differentiable(forward, query, key, value, None, kv_lengths, mods=mods,
                                scale=static_scale, **options)
-  elif (paged and _paged_prefill_serves(mods, static_scale, options)
-        and not (sharding.manual_axes() and use_interpret())):
+  elif own_kernels and paged and _paged_prefill_serves(mods, static_scale, options):
     from jaxflash.paged_prefill import paged_prefill_attention
     kernel = functools.partial(paged_prefill_attention, scale=static_scale,
                                is_causal=mods.is_causal, return_residual=True)

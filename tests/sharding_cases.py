@@ -61,6 +61,12 @@ def _paged(q, k_pages, v_pages, kv_len, table):
                             block_table=table, return_residual=True)
 
 
+def _paged_prefill(q, k_pages, v_pages, kv_len, table, q_len):
+  return jaxflash.attention(q, k_pages, v_pages, key_value_seq_lengths=kv_len, block_table=table,
+                            query_seq_lengths=q_len, is_causal=True, causal_alignment="bottom_right",
+                            return_residual=True)
+
+
 def _inputs(kernel: str, rng, kv_heads: int, heads: int):
   """(function of the arrays, arrays, role of each: q, kv, pages or seq (per sequence))."""
   def rand(*shape):
@@ -78,6 +84,12 @@ def _inputs(kernel: str, rng, kv_heads: int, heads: int):
     arrays = (rand(B, 1, heads, H), rand(NUM_PAGES, PAGE_SIZE, kv_heads, H),
               rand(NUM_PAGES, PAGE_SIZE, kv_heads, H), kv_lengths, jnp.asarray(table, jnp.int32))
     return _paged, arrays, ("q", "pages", "pages", "seq", "seq")
+  if kernel == "paged_prefill":  # a chunk of T_b new tokens, the last of each sequence's keys
+    table = rng.permutation(NUM_PAGES)[:B * S // PAGE_SIZE].reshape(B, S // PAGE_SIZE)
+    arrays = (rand(B, T, heads, H), rand(NUM_PAGES, PAGE_SIZE, kv_heads, H),
+              rand(NUM_PAGES, PAGE_SIZE, kv_heads, H), kv_lengths, jnp.asarray(table, jnp.int32),
+              jnp.asarray([T, 5, 1, 8], jnp.int32))
+    return _paged_prefill, arrays, ("q", "pages", "pages", "seq", "seq", "seq")
   raise ValueError(f"unknown kernel {kernel!r}")
 
 

@@ -22,7 +22,7 @@ import pytest
 import jaxflash
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNELS = ("prefill", "decode", "paged")
+KERNELS = ("prefill", "decode", "paged", "paged_prefill")
 TOLERANCE = 2e-5  # float32; the kernels see other shapes per shard (other KV splits)
 
 
@@ -76,10 +76,10 @@ def test_sharded_gpu_mesh(kernel):
   from tests import sharding_cases
   devices = jax.devices()[:4] if jax.device_count() >= 4 else jax.devices()[:2]
   _check(sharding_cases.run(kernel, devices))
+  # Every kernel's results carry their inputs' varying axes (sharding.result_struct).
+  shard_map = sharding_cases.shard_map_case(kernel, devices)  # compiled, per device
+  assert shard_map["out_err"] <= TOLERANCE and shard_map["lse_err"] <= TOLERANCE, shard_map
   if kernel == "prefill":
-    # (The decode kernels join once their results carry sharding.result_struct's types.)
-    shard_map = sharding_cases.shard_map_case(kernel, devices)  # compiled, per device
-    assert shard_map["out_err"] <= TOLERANCE and shard_map["lse_err"] <= TOLERANCE, shard_map
     options = sharding_cases.options_case(devices)
     assert options["collectives"] == [], options
     assert options["out_err"] <= TOLERANCE and options["lse_err"] <= TOLERANCE, options
