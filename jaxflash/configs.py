@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxflash.device import DeviceInfo, device_info
 
 RESERVE_BYTES = 2 * 1024
+MIN_BLOCK = 16  # tl.dot needs tiles of at least 16 x 16
 DECODE_QUERY_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to it
 # Most query rows one decode program holds: a KV group of more heads (multi-query models,
 # 32 or 128 heads on one KV head) is split over ceil(G / rows) programs, each re-reading the
@@ -41,6 +42,17 @@ def _smem_bytes(rows_q: int, block_k: int, num_stages: int, head_dim: int, items
   return itemsize * padded_head_dim(head_dim) * (rows_q + num_stages * 2 * block_k) + RESERVE_BYTES
 
 
+def _check_tiles(config, argument: str, tiles: tuple[str, ...]) -> None:
+  """Each named tile a power of two >= MIN_BLOCK (None: the kernel's choice); at least one
+  warp and one stage. Errors name the argument (`argument`.field) and the config."""
+  for name in tiles:
+    size = getattr(config, name)
+    if size is not None and (size < MIN_BLOCK or size & (size - 1)):
+      raise ValueError(f"{argument}.{name} must be a power of two >= {MIN_BLOCK}, got {config}")
+  if config.num_warps < 1 or config.num_stages < 1:
+    raise ValueError(f"{argument} needs num_warps >= 1 and num_stages >= 1, got {config}")
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
   """Tiles of the prefill kernel: `block_q` query rows per program, `block_k` keys per step."""
@@ -52,6 +64,9 @@ class PrefillConfig:
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     return _smem_bytes(self.block_q, self.block_k, self.num_stages, head_dim, itemsize)
+
+  def check(self, argument: str = "config") -> None:
+    _check_tiles(self, argument, ("block_q", "block_k"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +80,9 @@ class DecodeConfig:
 
   def smem_bytes(self, head_dim: int, itemsize: int, query_rows: int = DECODE_QUERY_ROWS) -> int:
     return _smem_bytes(query_rows, self.block_k, self.num_stages, head_dim, itemsize)
+
+  def check(self, argument: str = "config") -> None:
+    _check_tiles(self, argument, ("block_k",))
 
 
 P, D = PrefillConfig, DecodeConfig
@@ -134,6 +152,18 @@ def check_fits(config, head_dim: int, dtype, info: DeviceInfo | None = None) -> 
         f"{jnp.dtype(dtype).name}, over the {info.smem_per_block}-byte budget of a block on "
         f"{info.name} (sm_{info.compute_capability[0]}{info.compute_capability[1]}); "
         "use smaller tiles or fewer stages")
+
+
+def resolve(config, expected: type, default, head_dim: int, dtype, argument: str = "config"):
+  """`config` checked (its type, its tiles, its fit in this GPU's shared memory), or, when
+  it is None, `default(head_dim, dtype)`: the tuned one."""
+  if config is None:
+    return default(head_dim, dtype)
+  if not isinstance(config, expected):
+    raise TypeError(f"{argument} must be a jaxflash.{expected.__name__}, got {type(config).__name__}")
+  config.check(argument)
+  check_fits(config, head_dim, dtype)
+  return config
 
 
 def prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> PrefillConfig:
@@ -218,6 +248,11 @@ class BackwardConfig:
     rows, keys = self.dq_tiles
     return per_row * max(2 * self.block_k + self.num_stages * 2 * self.block_q,
                          2 * rows + self.num_stages * 2 * keys) + RESERVE_BYTES
+
+  def check(self, argument: str = "backward_config") -> None:
+    _check_tiles(self, argument, ("block_q", "block_k", "dq_block_q", "dq_block_k"))
+    if self.q_splits is not None and (not isinstance(self.q_splits, int) or self.q_splits < 1):
+      raise ValueError(f"{argument}.q_splits must be None or an int >= 1, got {self}")
 
 
 MAX_Q_SPLITS = 4

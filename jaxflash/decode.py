@@ -317,18 +317,9 @@ def _combine_kernel(
 # --------------------------------------------------------------------------------------
 
 def resolve_config(config: DecodeConfig | None, head_dim: int, dtype, *, paged: bool) -> DecodeConfig:
-  """The tuned config, or `config` checked: power-of-two block_k >= 16 that fits in smem."""
-  if config is None:
-    return configs.decode_config(head_dim, dtype, paged=paged)
-  if not isinstance(config, DecodeConfig):
-    raise TypeError(f"config must be a jaxflash.DecodeConfig, got {type(config).__name__}")
-  if config.block_k < 16 or config.block_k & (config.block_k - 1):
-    raise ValueError(f"DecodeConfig.block_k must be a power of two >= 16 (tl.dot's minimum), "
-                     f"got {config.block_k=}")
-  if config.num_warps < 1 or config.num_stages < 1:
-    raise ValueError(f"DecodeConfig needs num_warps >= 1 and num_stages >= 1, got {config}")
-  configs.check_fits(config, head_dim, dtype)
-  return config
+  """The tuned config (the paged kernel's with `paged`), or `config` checked."""
+  default = functools.partial(configs.decode_config, paged=paged)
+  return configs.resolve(config, DecodeConfig, default, head_dim, dtype)
 
 
 def chunking(num_splits: int | None, batch: int, programs: int, capacity: int, block_k: int,

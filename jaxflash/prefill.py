@@ -36,7 +36,6 @@ from jaxflash.reference import attention_reference
 from jaxflash.score_mods import ScoreMods, key_blocks, soft_cap, window_size
 from jaxflash.sharding import manual_axes, result_struct
 
-MIN_BLOCK = 16  # tl.dot needs tiles of at least 16 x 16
 APPROX_EXP2 = True  # compiled kernels use ex2.approx (see jaxflash._triton.exp2)
 
 
@@ -190,29 +189,14 @@ def _prefill_kernel(
     store(lse_ref, lse, mask=in_bounds)
 
 
-def _check_config(config) -> None:
-  if not isinstance(config, PrefillConfig):
-    raise TypeError(f"config must be a jaxflash.PrefillConfig, got {type(config).__name__}")
-  for name in ("block_q", "block_k"):
-    size = getattr(config, name)
-    if size < MIN_BLOCK or size & (size - 1):
-      raise ValueError(f"config.{name} must be a power of two >= {MIN_BLOCK}, got {config}")
-  if config.num_warps < 1 or config.num_stages < 1:
-    raise ValueError(f"config needs num_warps >= 1 and num_stages >= 1, got {config}")
-
-
 def resolve_config(config, head_dim: int, dtype) -> PrefillConfig:
   """config checked, or the tuned default for this head dim and dtype."""
-  if config is None:
-    return configs.prefill_config(head_dim, dtype)
-  _check_config(config)
-  configs.check_fits(config, head_dim, dtype)
-  return config
+  return configs.resolve(config, PrefillConfig, configs.prefill_config, head_dim, dtype)
 
 
 def _block_size(limit: int, length: int) -> int:
   """`limit`, or less for short sequences: a power of two >= 16 covering `length`."""
-  return min(limit, max(MIN_BLOCK, 1 << (max(length, 1) - 1).bit_length()))
+  return min(limit, max(configs.MIN_BLOCK, 1 << (max(length, 1) - 1).bit_length()))
 
 
 @functools.partial(

@@ -51,7 +51,7 @@ from jaxflash import _checks, configs, score_mods
 from jaxflash._triton import (LOG2_E, CompilerParams, dot, exp2, load, load_masked, mask2d, pl, quiet,
                               store, use_interpret)
 from jaxflash.configs import BackwardConfig
-from jaxflash.prefill import APPROX_EXP2, MIN_BLOCK, _block_size, _load_tile, _operand_spec
+from jaxflash.prefill import APPROX_EXP2, _block_size, _load_tile, _operand_spec
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import ScoreMods, soft_cap, window_size
 from jaxflash.sharding import like_primal, manual_axes, result_struct
@@ -314,26 +314,10 @@ def _store_ds(ds_ref, ds, kv_start, block_k: int, in_rows, seq_kv: int):
   store(ds_ref.at[:, pl.ds(kv_start, block_k)], ds, mask=mask2d(in_rows, in_keys, ds.shape))
 
 
-def _check_config(config) -> None:
-  if not isinstance(config, BackwardConfig):
-    raise TypeError(f"backward_config must be a jaxflash.BackwardConfig, got {type(config).__name__}")
-  for name in ("block_q", "block_k", "dq_block_q", "dq_block_k"):
-    size = getattr(config, name)
-    if size is not None and (size < MIN_BLOCK or size & (size - 1)):
-      raise ValueError(f"backward_config.{name} must be a power of two >= {MIN_BLOCK}, got {config}")
-  if config.num_warps < 1 or config.num_stages < 1:
-    raise ValueError(f"backward_config needs num_warps >= 1 and num_stages >= 1, got {config}")
-  if config.q_splits is not None and (not isinstance(config.q_splits, int) or config.q_splits < 1):
-    raise ValueError(f"backward_config.q_splits must be None or an int >= 1, got {config}")
-
-
 def resolve_config(config, head_dim: int, dtype) -> BackwardConfig:
   """config checked, or the tuned default for this head dim and dtype."""
-  if config is None:
-    return configs.backward_config(head_dim, dtype)
-  _check_config(config)
-  configs.check_fits(config, head_dim, dtype)
-  return config
+  return configs.resolve(config, BackwardConfig, configs.backward_config, head_dim, dtype,
+                         argument="backward_config")
 
 
 def _grouped_spec(x, group: int, q_splits: int):
