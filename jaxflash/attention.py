@@ -201,7 +201,7 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
   elif implementation == "mosaic":
     from jaxflash.mosaic import prefill_attention as mosaic_prefill
     kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
-                               return_residual=True)
+                               local_window_size=mods.window, return_residual=True)
     # The Mosaic forward, differentiated by the Triton backward: its out and LSE are the
     # ones `prefill_attention` returns (mosaic_reason let only bottom-right semantics here).
     result = _differentiable(

@@ -336,6 +336,9 @@ def test_mosaic_dispatch_reasons():
   # Top-left and bottom-right agree at T == S without lengths: only the device decides.
   left = reason(q, kv, kv, mods=causal_tl)
   assert (left is None) if HAS_GPU_SM90 else ("GPU" in left or "sm_" in left)
+  # A sliding window is a loop bound in the Mosaic kernel too.
+  window = reason(q, kv, kv, None, lengths, mods=ScoreMods(is_causal=True, window=(64, 0)))
+  assert (window is None) if HAS_GPU_SM90 else ("GPU" in window or "sm_" in window)
 
 
 @pytest.mark.gpu

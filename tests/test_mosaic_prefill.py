@@ -83,6 +83,50 @@ def test_matches_reference(case, rng):
   _check(out, lse, q, k, v, is_causal=causal)
 
 
+# (batch, T, S, N, K, head_dim, dtype, causal, window, config): windows narrower and wider
+# than a key block, one-sided and two-sided, T < S and T > S, against the float64 reference.
+WINDOW_CASES = [
+    (1, 300, 300, 4, 2, 128, BF16, True, (64, 0), None),
+    (2, 257, 700, 6, 2, 128, F16, True, (130, 0), SMALL),  # T < S: the window trails the diagonal
+    (1, 700, 333, 5, 1, 64, BF16, True, (5, 0), None),  # T > S, a window inside one block
+    (1, 400, 400, 7, 1, 256, F16, False, (100, 37), None),  # two-sided, no causal mask
+    (1, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), NAMED),
+    (1, 1000, 1000, 8, 8, 128, BF16, False, (0, 300), None),  # keys ahead only
+]
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"t{c[1]}-s{c[2]}-w{c[8][0]}x{c[8][1]}")
+def test_sliding_window_matches_reference(case, rng):
+  batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, causal, window, config = case
+  q, k, v = _qkv(rng, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
+  q_len = np.array([seq_q] * batch, np.int32)
+  kv_len = np.array([seq_kv] + [seq_kv - 77] * (batch - 1), np.int32)
+  out, lse = _run(q, k, v, jnp.asarray(q_len), jnp.asarray(kv_len), is_causal=causal,
+                  local_window_size=window, config=config)
+  ref_out, ref_lse = attention_f64(q, k, v, is_causal=causal, window=window, q_lengths=q_len,
+                                   kv_lengths=kv_len)
+  assert_close(out, ref_out, dtype)
+  assert_close(lse, ref_lse, F16, what="lse")
+
+
+@gpu
+@SM90_ONLY
+def test_windowed_gradients_through_mosaic_match_triton(rng):
+  """jax.grad of jaxflash.attention with a window on the Mosaic forward (the default on
+  sm_90+) equals the Triton forward's: the same backward on the same out and LSE."""
+  q, k, v = _qkv(rng, 1, 777, 777, 6, 2, 128, BF16)
+  grads = {}
+  for impl in ("mosaic", "triton"):
+    loss = lambda q, k, v: jnp.sum(jnp.sin(jaxflash.attention(
+        q, k, v, is_causal=True, local_window_size=(200, 0), implementation=impl).astype(F32)))
+    grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  for got, want in zip(grads["mosaic"], grads["triton"]):
+    got, want = np.asarray(got.astype(F32)), np.asarray(want.astype(F32))
+    np.testing.assert_allclose(got, want, atol=2e-2 * max(1., np.abs(want).max()))
+
+
 @gpu
 @SM90_ONLY
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -166,6 +210,8 @@ def test_supports_hopper_shapes(info, dtype, head_dim):
   assert supports(*_shapes(dtype, head_dim), info=info) is None
   assert supports(*_shapes(dtype, head_dim), is_causal=True, scale=0.1,
                   causal_alignment="bottom_right", info=info) is None
+  assert supports(*_shapes(dtype, head_dim), is_causal=True, local_window_size=(8, 0),
+                  info=info) is None
 
 
 @pytest.mark.parametrize("info,match", [(A100, "sm_80"), (RTX_3090, "sm_86"), (RTX_4060_LAPTOP, "sm_89")])
@@ -184,7 +230,6 @@ def test_older_gpus_are_refused(info, match):
     ((_shapes(F16)[0], *_shapes(BF16)[1:]), {}, "one dtype"),
     (_shapes(), {"mask": jax.ShapeDtypeStruct((1, 1, 64, 64), jnp.bool_)}, "mask"),
     (_shapes(), {"bias": jax.ShapeDtypeStruct((1, 1, 64, 64), F32)}, "bias"),
-    (_shapes(), {"local_window_size": (8, 0)}, "local_window_size"),
     (_shapes(), {"logits_soft_cap": 30.0}, "logits_soft_cap"),
     (_shapes(), {"sinks": jax.ShapeDtypeStruct((12,), F32)}, "sinks"),
     (_shapes(), {"causal_alignment": "top_left"}, "causal_alignment"),
@@ -240,10 +285,11 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
     prefill_attention(q, k, v)
 
 
-@pytest.mark.parametrize("config", [None, NAMED], ids=["default", "named"])
+@pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (None, (70, 0))],
+                         ids=["default", "named", "window"])
 @CPU_ONLY
 @NEEDS_MOSAIC
-def test_kernel_traces_on_this_jax(config, monkeypatch):
+def test_kernel_traces_on_this_jax(config, window, monkeypatch):
   """Off the GPU the kernel cannot run, but its body can be traced: this catches Mosaic GPU
   API drift (CI's JAX 0.10.2 against the GPU's 0.11) before a GPU run does."""
   monkeypatch.setattr(_mosaic, "interpret_params", lambda interpret: None)
@@ -251,6 +297,7 @@ def test_kernel_traces_on_this_jax(config, monkeypatch):
   kv = jax.ShapeDtypeStruct((2, 333, 2, 128), BF16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   run = lambda q, k, v, ql, kl: prefill_attention(q, k, v, ql, kl, is_causal=True,
+                                                  local_window_size=window,
                                                   return_residual=True, config=config)
   out, lse = jax.eval_shape(run, q, kv, kv, lengths, lengths)
   assert out.shape == q.shape and lse.shape == q.shape[:3]

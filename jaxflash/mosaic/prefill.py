@@ -19,10 +19,12 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
 * Online softmax in base 2 with the scale folded into one multiply-add (scores times
   scale * log2 e, minus the running max), exp2 lowered to ex2.approx; the output is divided
   by the running sum once, at the end (FlashAttention-2, section 3.1.1).
-* Causal attention is a loop bound: per consumer, the key blocks every row may see run
-  unmasked, the blocks that straddle the diagonal (or the end of the valid keys) run
-  masked, and blocks past the diagonal are never loaded. The bounds are computed in the
-  kernel from the per-sequence lengths (data, not shapes: no recompiles).
+* Causal attention and sliding windows are loop bounds (jaxflash.score_mods.key_blocks, as
+  in the Triton prefill): per consumer, the key blocks every row sees whole run unmasked,
+  the blocks that straddle the diagonal, a window edge or the end of the valid keys run
+  masked, and the blocks outside are never loaded, so a window w costs O(n w). The bounds
+  are computed in the kernel from the per-sequence lengths (data, not shapes: no
+  recompiles).
 * The grid walks query tiles from the last (longest under the causal mask) to the first,
   with heads varying fastest so that CTAs resident together read the same KV head (GQA:
   one KV tile in L2 serves its query heads; K and V are never repeated).
@@ -49,6 +51,7 @@ from jaxflash import _checks, _mosaic
 from jaxflash._mosaic import LN_2, LOG2_E, pl, plgpu
 from jaxflash.device import DeviceInfo, device_info
 from jaxflash.prefill import prefill_reference
+from jaxflash.score_mods import ScoreMods, key_blocks, window_size
 
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA (FlashAttention-3's ping-pong pair)
 CONSUMER_REGISTERS = 232  # setmaxnreg per consumer thread; the producer keeps 40
@@ -130,8 +133,8 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
 
 # Options of the shared interface (OPTIONS.md) this kernel does not take: any of them set
 # (not None / not the default) is a reason to fall back.
-_UNSUPPORTED_OPTIONS = {"bias": None, "mask": None, "local_window_size": None,
-                        "logits_soft_cap": None, "sinks": None, "causal_alignment": "bottom_right"}
+_UNSUPPORTED_OPTIONS = {"bias": None, "mask": None, "logits_soft_cap": None, "sinks": None,
+                        "causal_alignment": "bottom_right"}
 
 
 def supports(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
@@ -142,7 +145,7 @@ def supports(query, key, value, query_seq_lengths=None, key_value_seq_lengths=No
   describes the GPU (default: this process's device; no GPU is a reason). `options` are
   the other keywords of the shared interface (bias, mask, local_window_size,
   logits_soft_cap, sinks, causal_alignment, is_causal, scale, ...); those this kernel
-  does not take are reasons when set.
+  does not take (all but is_causal, scale and local_window_size) are reasons when set.
   """
   del query_seq_lengths, key_value_seq_lengths  # lengths are always served
   if not _mosaic.AVAILABLE:
@@ -203,7 +206,7 @@ def _prefill_kernel(
     schedule,  # barrier, 2 arrivals: the consumers' ping-pong
     *,
     qk_scale: float,
-    is_causal: bool,
+    mods: ScoreMods,
     block_q: int,
     block_kv: int,
     num_stages: int,
@@ -228,23 +231,19 @@ def _prefill_kernel(
   kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), seq_kv)
 
   def bounds(q_base):
-    """Key blocks for rows [q_base, q_base + block_q): (all, unmasked)."""
+    """Key blocks (lo, full_lo, full_hi, hi) of rows [q_base, q_base + block_q), as
+    score_mods.key_blocks gives them; all zero when no row is valid."""
     rows_end = jnp.minimum(q_base + block_q, q_valid)
-    if is_causal:
-      kv_end = jnp.minimum(kv_valid, rows_end + shift)
-      full_end = jnp.minimum(kv_valid, q_base + shift + 1)  # keys the block's first row sees
-    else:
-      kv_end = kv_valid
-      full_end = kv_valid
-    kv_end = jnp.where(rows_end > q_base, jnp.maximum(kv_end, 0), 0)
-    steps = lax.div(kv_end + (block_kv - 1), block_kv)
-    unmasked = jnp.minimum(lax.div(jnp.maximum(full_end, 0), block_kv), steps)
-    return steps, unmasked
+    blocks = key_blocks(mods, q_base, rows_end - 1, shift, kv_valid, block_kv)
+    return [jnp.where(rows_end > q_base, x, 0) for x in blocks]
 
   cta_base = tile * (NUM_CONSUMERS * block_q)
-  # The producer loads the union of both consumers' blocks (the second's rows are later,
-  # so under the causal mask it usually needs more).
-  cta_steps = jnp.maximum(bounds(cta_base)[0], bounds(cta_base + block_q)[0])
+  # The producer loads the union of both consumers' blocks: from the first consumer's first
+  # (its rows are earlier, so a window's left edge reaches further back) to the later of
+  # their last (under the causal mask the second usually needs more).
+  first_bounds, second_bounds = bounds(cta_base), bounds(cta_base + block_q)
+  cta_lo = first_bounds[0]
+  cta_hi = jnp.maximum(first_bounds[3], second_bounds[3])
 
   # The ping-pong, per step of each consumer: `issued` once its QK^T is issued (the other
   # consumer may now run its PV), `softmax_done` before its own PV.
@@ -280,7 +279,12 @@ def _prefill_kernel(
   def _consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     q_base = cta_base + wg * block_q
-    steps, unmasked = bounds(q_base)
+    # Both consumers start at cta_lo, so that they step through the ring together; the
+    # second's one block before its own window (at most) runs masked and adds nothing.
+    _, full_lo, full_hi, hi = bounds(q_base)
+    hi = jnp.maximum(hi, cta_lo)
+    full_lo = jnp.clip(full_lo, cta_lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), head], q_tile, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
@@ -290,7 +294,7 @@ def _prefill_kernel(
     l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
     acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
-    @pl.when(steps > 0)
+    @pl.when(hi > cta_lo)
     def _():
       plgpu.barrier_wait(k_ready.at[0])
 
@@ -304,7 +308,7 @@ def _prefill_kernel(
 
     def step(j, carry, *, masked: bool):
       acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
-      slot = lax.rem(j, num_stages)
+      slot = lax.rem(j - cta_lo, num_stages)
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
@@ -314,13 +318,17 @@ def _prefill_kernel(
       s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [block_q, block_kv]
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
+        # Key s is visible to row r (at position p = q_base + r + shift) when s < kv_valid
+        # and p - left <= s <= p + right: one or two compares per score.
         shape = (block_q, block_kv)
         keys = iota(shape, 1) + j * block_kv
-        if is_causal:
-          # One compare per score: key <= min(row + shift, kv_valid - 1).
-          visible = keys <= jnp.minimum(iota(shape, 0) + (q_base + shift), kv_valid - 1)
-        else:
+        rows = iota(shape, 0)
+        if mods.right is None:
           visible = keys < kv_valid
+        else:
+          visible = keys <= jnp.minimum(rows + (q_base + shift + mods.right), kv_valid - 1)
+        if mods.left is not None:
+          visible &= keys >= rows + (q_base + shift - mods.left)
         s = jnp.where(visible, s, -jnp.inf)
       # m is kept in scaled units so p = exp2(s * c - m) is one FMA per score.
       m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
@@ -338,9 +346,9 @@ def _prefill_kernel(
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
 
-        @pl.when(j + 1 < steps)
+        @pl.when(j + 1 < hi)
         def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(j + 1, num_stages)])
+          plgpu.barrier_wait(k_ready.at[lax.rem(j + 1 - cta_lo, num_stages)])
 
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # the accumulator stays in its registers
       plgpu.barrier_arrive(v_free.at[slot])
@@ -348,7 +356,7 @@ def _prefill_kernel(
 
     def drain(j, _):
       # Blocks the other consumer still needs: release them and keep the schedule's count.
-      slot = lax.rem(j, num_stages)
+      slot = lax.rem(j - cta_lo, num_stages)
       plgpu.barrier_arrive(k_free.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
       issued()
@@ -357,9 +365,14 @@ def _prefill_kernel(
       else:
         issued()
 
-    carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), (acc, m_i, l_i))
-    acc, m_i, l_i = lax.fori_loop(unmasked, steps, functools.partial(step, masked=True), carry)
-    lax.fori_loop(steps, cta_steps, drain, None)
+    # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, the diagonal or
+    # the end of the keys and run masked; every row sees all of [full_lo, full_hi).
+    carry = (acc, m_i, l_i)
+    if mods.left is not None:
+      carry = lax.fori_loop(cta_lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+    lax.fori_loop(hi, cta_hi, drain, None)
     pl.when(wg == 0)(end_turn)
 
     # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
@@ -381,18 +394,19 @@ def _prefill_kernel(
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     kv_head = lax.div(head, group)
 
-    def load(step, slot):
-      rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+    def load(block, slot):
+      rows = (batch, pl.ds(block * block_kv, block_kv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
+    count = cta_hi - cta_lo
     for i in range(num_stages):
-      pl.when(i < cta_steps)(functools.partial(load, i, i))
+      pl.when(i < count)(functools.partial(load, cta_lo + i, i))
 
-    @pl.loop(0, jnp.maximum(cta_steps - num_stages, 0))
+    @pl.loop(0, jnp.maximum(count - num_stages, 0))
     def _(j):
       slot = lax.rem(j, num_stages)
-      rows = (batch, pl.ds((j + num_stages) * block_kv, block_kv), kv_head)
+      rows = (batch, pl.ds((cta_lo + j + num_stages) * block_kv, block_kv), kv_head)
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
       plgpu.barrier_wait(v_free.at[slot])
@@ -400,17 +414,20 @@ def _prefill_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "is_causal", "return_residual", "config", "interpret"))
+    jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "return_residual", "config",
+                              "interpret"))
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
-                      scale=None, is_causal=False, return_residual=False,
+                      scale=None, is_causal=False, local_window_size=None, return_residual=False,
                       config: MosaicPrefillConfig | None = None, interpret: bool | None = None):
   """FlashAttention-3 style forward pass on sm_90+ (Pallas Mosaic GPU).
 
   query [B, T, N, H]; key, value [B, S, K, H] with N a multiple of K (query head n reads
   KV head n // (N // K)); bf16 or fp16, one dtype; H a multiple of 64 up to 256.
   query_seq_lengths, key_value_seq_lengths: optional int [B]. Rows t >= q_len[b] are
-  padding (zeros out, LSE -inf), keys s >= kv_len[b] are ignored; `is_causal` aligns the
-  diagonal bottom-right (query t sees keys s <= t + kv_len_b - q_len_b). Returns out
+  padding (zeros out, LSE -inf), keys s >= kv_len[b] are ignored. Query t sits at key
+  position p = t + kv_len_b - q_len_b (bottom-right); `is_causal` keeps keys s <= p and
+  `local_window_size` w or (left, right) keeps p - left <= s <= p + right, the key blocks
+  outside never loaded. Returns out
   [B, T, N, H] in the query's dtype, and with `return_residual` the natural-log LSE
   [B, T, N] float32 too: the same function as `jaxflash.prefill_attention`.
 
@@ -438,6 +455,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     raise ValueError(f"the Mosaic prefill takes head dims that are multiples of 64 up to 256, "
                      f"got query {tuple(query.shape)}")
   scale = _checks.default_scale(scale, head_dim)
+  mods = ScoreMods(is_causal=bool(is_causal), window=window_size(local_window_size))
   info = device_info()
   if config is None:
     config = mosaic_prefill_config(head_dim, query.dtype, info)
@@ -470,7 +488,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   if _mosaic.interpret_params(interpret) is not None:
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
   kernel = functools.partial(
-      _prefill_kernel, qk_scale=scale * LOG2_E, is_causal=is_causal, block_q=block_q,
+      _prefill_kernel, qk_scale=scale * LOG2_E, mods=mods, block_q=block_q,
       block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
       num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
       named_schedule=config.named_schedule)
