@@ -522,12 +522,14 @@ def test_q_splits_sum_the_same_gradients(interpret, rng):
 
 def test_q_splits_default():
   """The automatic split: only where the dK/dV grid leaves the SMs less than two programs
-  each, at most MAX_Q_SPLITS and never more than the query blocks; a set value is kept."""
+  each, then up to four per SM, at most MAX_Q_SPLITS and never more than the query blocks;
+  a set value is kept."""
   from jaxflash import configs
   from jaxflash.device import DeviceInfo
   h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 227 * 1024)
   auto = BackwardConfig(64, 64)
-  assert configs.backward_q_splits(auto, 1 * 2 * 64, 64, h200) == 3  # B=1, K=2, n=4096
+  assert configs.backward_q_splits(auto, 1 * 2 * 64, 64, h200) == 4  # B=1, K=2, n=4096
+  assert configs.backward_q_splits(auto, 1 * 2 * 128, 128, h200) == 3  # n=8192
   assert configs.backward_q_splits(auto, 1 * 2 * 256, 256, h200) == 1  # n=16384: enough
   assert configs.backward_q_splits(auto, 2, 64, h200) == configs.MAX_Q_SPLITS
   assert configs.backward_q_splits(auto, 2, 2, h200) == 2
