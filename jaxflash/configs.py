@@ -227,7 +227,7 @@ class BackwardConfig:
   q_splits: how many programs share each key block's query range in the dK/dV kernel (each
   writes float32 partial dK/dV, summed in a fixed order by XLA: deterministic). None
   chooses (`backward_q_splits`): more than one only where B * K * ceil(S / block_k)
-  programs would fill the SMs less than twice, and then up to four programs per SM.
+  programs would fill the SMs less than twice.
   """
 
   block_q: int
@@ -261,17 +261,18 @@ MAX_Q_SPLITS = 4
 def backward_q_splits(config: BackwardConfig, programs: int, query_blocks: int,
                       info: DeviceInfo | None = None) -> int:
   """The dK/dV kernel's split of each key block's query range: config.q_splits if set;
-  else 1 where the grid already gives every SM two programs, and otherwise enough for four
-  each (at most MAX_Q_SPLITS, never more than the query blocks). programs: B * K *
-  ceil(S / block_k), the grid without a split. On the H200 at n = 4096 (128 programs;
-  bench/train.py, 2026-12-01) fwd+bwd read 213 / 264 / 325 / 353 TFLOP/s with 1 / 2 / 3 / 4
-  splits: the partial sums cost less than idle SMs."""
+  else 1 where the grid already gives every SM two programs, and otherwise MAX_Q_SPLITS
+  (never more than the query blocks). programs: B * K * ceil(S / block_k), the grid
+  without a split. On the H200 (bench/train.py, B = 1, 12 / 2 heads, d = 128; 2026-12-01)
+  fwd+bwd read 213 / 264 / 325 / 353 TFLOP/s with 1 / 2 / 3 / 4 splits at n = 4096 (128
+  programs) and 286 / 401 / 384 / 404 at n = 8192 (256): the partial sums cost less than
+  idle SMs, and four split a causal range more evenly than three."""
   if config.q_splits is not None:
     return config.q_splits
   sm_count = (info or device_info()).sm_count
   if programs >= 2 * sm_count:
     return 1
-  return max(1, min(MAX_Q_SPLITS, -(-4 * sm_count // max(programs, 1)), query_blocks))
+  return max(1, min(MAX_Q_SPLITS, query_blocks))
 
 
 B = BackwardConfig

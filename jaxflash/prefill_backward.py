@@ -119,6 +119,7 @@ def _dkdv_kernel(
     approx_exp2: bool,
 ):
   head_dim_padded = q_ref.shape[-1]
+  num_q_blocks = pl.cdiv(seq_q, block_q)
   # Grid axis 0 is (key block, split): with q_splits > 1 each program of a key block takes
   # one contiguous share of every loop below and writes partial dK/dV.
   k_start = lax.div(pl.program_id(0), q_splits) * block_k
@@ -153,8 +154,13 @@ def _dkdv_kernel(
     # One flat loop over (query head of the group, query block): the group's heads all
     # add into this program's dK and dV: the sum over the heads that share K and V, which
     # FlashAttention-2 takes across its per-head gradients, is done here, inside the kernel.
-    g = lax.div(index, count)
-    q_start = pl.multiple_of((start + index - g * count) * block_q, block_q)
+    # Both clamps change no iteration that runs (there g < group and the block lies in
+    # [start, end)); they keep the addresses of an empty loop's index (count = 0) inside
+    # the operands: the compiled kernel touched them anyway (compute-sanitizer: 16-byte
+    # reads of Q far out of bounds with q_splits > 1 and a window, T = 24, S = 31).
+    g = jnp.minimum(lax.div(index, jnp.maximum(count, 1)), group - 1)
+    q_block = jnp.minimum(start + index - g * count, num_q_blocks - 1)
+    q_start = pl.multiple_of(q_block * block_q, block_q)
     rows = q_start + jnp.arange(block_q)  # [block_q] query positions
     row_mask = mask2d(rows < q_valid if ragged_rows else None, col_mask, (block_q, head_dim_padded))
     q = load_masked(q_ref.at[pl.ds(q_start, block_q), g, :], row_mask).astype(compute_dtype)

@@ -281,6 +281,8 @@ OPTION_CASES = {
     "mask": (2, 19, 27, 4, 2, 32, True, dict(mask=(2, 1, 19, 27))),
     "window": (1, 37, 37, 2, 1, 32, False, dict(local_window_size=(5, 3))),
     "window-causal": (2, 23, 40, 5, 1, 32, True, dict(local_window_size=(9, 0), is_causal=True)),
+    # q_splits = 2 with a window: an empty edge loop's index once read Q out of bounds
+    "window-splits": (2, 24, 31, 4, 2, 64, False, dict(local_window_size=(12, 0), is_causal=True)),
     "top-left": (2, 21, 33, 2, 2, 32, True, dict(is_causal=True, causal_alignment="top_left")),
     "top-left-window": (1, 30, 18, 2, 1, 32, False, dict(local_window_size=(4, 6),
                                                           causal_alignment="top_left")),
@@ -522,14 +524,13 @@ def test_q_splits_sum_the_same_gradients(interpret, rng):
 
 def test_q_splits_default():
   """The automatic split: only where the dK/dV grid leaves the SMs less than two programs
-  each, then up to four per SM, at most MAX_Q_SPLITS and never more than the query blocks;
-  a set value is kept."""
+  each, and then MAX_Q_SPLITS, never more than the query blocks; a set value is kept."""
   from jaxflash import configs
   from jaxflash.device import DeviceInfo
   h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 227 * 1024)
   auto = BackwardConfig(64, 64)
   assert configs.backward_q_splits(auto, 1 * 2 * 64, 64, h200) == 4  # B=1, K=2, n=4096
-  assert configs.backward_q_splits(auto, 1 * 2 * 128, 128, h200) == 3  # n=8192
+  assert configs.backward_q_splits(auto, 1 * 2 * 128, 128, h200) == 4  # n=8192
   assert configs.backward_q_splits(auto, 1 * 2 * 256, 256, h200) == 1  # n=16384: enough
   assert configs.backward_q_splits(auto, 2, 64, h200) == configs.MAX_Q_SPLITS
   assert configs.backward_q_splits(auto, 2, 2, h200) == 2
