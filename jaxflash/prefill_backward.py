@@ -198,9 +198,12 @@ def _dkdv_kernel(
     body = functools.partial(step, start=start, count=count, edge=edge)
     if q_splits == 1:
       return lax.fori_loop(0, group * count, body, carry)
+    # This split's contiguous share, counted from 0 (the index offset inside), the form of
+    # the loop above: with a traced lower bound the compiled kernel read out of bounds.
     share = lax.div(group * count + (q_splits - 1), q_splits)
     first = jnp.minimum(split * share, group * count)
-    return lax.fori_loop(first, jnp.minimum(first + share, group * count), body, carry)
+    trips = jnp.minimum(share, group * count - first)
+    return lax.fori_loop(0, trips, lambda i, carry: body(first + i, carry), carry)
 
   carry = (jnp.zeros((block_k, head_dim_padded), jnp.float32),
            jnp.zeros((block_k, head_dim_padded), jnp.float32))
