@@ -154,12 +154,12 @@ def _dkdv_kernel(
     # One flat loop over (query head of the group, query block): the group's heads all
     # add into this program's dK and dV: the sum over the heads that share K and V, which
     # FlashAttention-2 takes across its per-head gradients, is done here, inside the kernel.
-    # Both clamps change no iteration that runs (there g < group and the block lies in
-    # [start, end)); they keep the addresses of an empty loop's index (count = 0) inside
-    # the operands: the compiled kernel touched them anyway (compute-sanitizer: 16-byte
-    # reads of Q far out of bounds with q_splits > 1 and a window, T = 24, S = 31).
-    g = jnp.minimum(lax.div(index, jnp.maximum(count, 1)), group - 1)
-    q_block = jnp.minimum(start + index - g * count, num_q_blocks - 1)
+    # Both clamps change no iteration that runs (there 0 <= g < group and the block lies
+    # in [start, end)); they keep every address inside the operands whatever the index,
+    # an empty loop's (count = 0) included: the compiled kernel read Q far out of bounds
+    # without them (compute-sanitizer; q_splits > 1 and a window, T = 24, S = 31).
+    g = jnp.clip(lax.div(index, jnp.maximum(count, 1)), 0, group - 1)
+    q_block = jnp.clip(start + index - g * count, 0, num_q_blocks - 1)
     q_start = pl.multiple_of(q_block * block_q, block_q)
     rows = q_start + jnp.arange(block_q)  # [block_q] query positions
     row_mask = mask2d(rows < q_valid if ragged_rows else None, col_mask, (block_q, head_dim_padded))
