@@ -263,10 +263,10 @@ def backward_q_splits(config: BackwardConfig, programs: int, query_blocks: int,
   """The dK/dV kernel's split of each key block's query range: config.q_splits if set;
   else 1 where the grid already gives every SM two programs, and otherwise MAX_Q_SPLITS
   (never more than the query blocks). programs: B * K * ceil(S / block_k), the grid
-  without a split. On the H200 (bench/train.py, B = 1, 12 / 2 heads, d = 128; 2026-12-01)
-  fwd+bwd read 213 / 264 / 325 / 353 TFLOP/s with 1 / 2 / 3 / 4 splits at n = 4096 (128
-  programs) and 286 / 401 / 384 / 404 at n = 8192 (256): the partial sums cost less than
-  idle SMs, and four split a causal range more evenly than three."""
+  without a split. On the H200 (bench/results/h200/train_sweep.md, commit 060ed0f; B = 1,
+  12 / 2 heads, d = 128) fwd+bwd read 206 / 262 / 327 / 350 TFLOP/s with 1 / 2 / 3 / 4
+  splits at n = 4096 (128 programs) and 285 / 402 / 390 / 401 at n = 8192 (256): the
+  partial sums cost less than idle SMs."""
   if config.q_splits is not None:
     return config.q_splits
   sm_count = (info or device_info()).sm_count

@@ -428,9 +428,9 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   padding (zeros out, LSE -inf), keys s >= kv_len[b] are ignored. Query t sits at key
   position p = t + kv_len_b - q_len_b (bottom-right); `is_causal` keeps keys s <= p and
   `local_window_size` w or (left, right) keeps p - left <= s <= p + right, the key blocks
-  outside never loaded. Returns out
-  [B, T, N, H] in the query's dtype, and with `return_residual` the natural-log LSE
-  [B, T, N] float32 too: the same function as `jaxflash.prefill_attention`.
+  outside never loaded. Returns out [B, T, N, H] in the query's dtype, and with
+  `return_residual` the natural-log LSE [B, T, N] float32 too: the same function as
+  `jaxflash.prefill_attention`.
 
   config: a MosaicPrefillConfig (default: the tuned `mosaic_prefill_config(H, dtype)`).
   interpret: Mosaic GPU's interpret mode (default: when there is no GPU). It cannot run
