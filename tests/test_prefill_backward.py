@@ -25,6 +25,7 @@ import pytest
 import jaxflash
 from jaxflash import BackwardConfig, PrefillConfig, prefill_attention
 from tests.conftest import SM90_ONLY, poison_allocator, random_array
+from tests.reference_np import attention_f64
 
 SMALL = dict(config=PrefillConfig(16, 16), backward_config=BackwardConfig(16, 16))
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -365,7 +366,26 @@ def test_option_gradients_in_bfloat16(interpret, rng):
     g, bs = (np.asarray(jnp.asarray(x, F32), np.float64) for x in (g, bs))
     err, base_err = np.abs(g - ref).max(), np.abs(bs - ref).max()
     limit = MULTIPLE * base_err + 1e-2 * max(1., np.abs(ref).max())
+    if name == "d_sinks":
+      limit += _d_sinks_rounding(attend, args, d_out, options)
     assert err <= limit, f"{name}: error {err:.3g} over {limit:.3g} (bf16 baseline {base_err:.3g})"
+
+
+def _d_sinks_rounding(attend, args, d_out, options) -> float:
+  """What the forward's bf16 output costs d_sinks = -sum_rows P_sink * rowsum(dO * O): the
+  backward, as FlashAttention-2's, takes delta from the stored O (rounded to bf16, and
+  computed from bf16 P), so its d_sinks moves by sum_rows P_sink * rowsum(dO * (O - O_exact))
+  (largest over the heads). The plain-JAX baseline differentiates through its own O, so its
+  error says nothing of this term."""
+  q, k, v, bias, sinks, scale = args
+  out_ref, lse_ref = attention_f64(q, k, v, scale=float(scale), is_causal=options["is_causal"],
+                                   bias=bias, mask=options["mask"],
+                                   window=options["local_window_size"],
+                                   softcap=options["logits_soft_cap"], sinks=sinks)
+  out = np.asarray(jnp.asarray(attend(*args)[0], F32), np.float64)
+  p_sink = np.exp(np.asarray(sinks, np.float64)[None, None, :] - lse_ref)  # [B, T, N]
+  shift = (np.asarray(jnp.asarray(d_out, F32), np.float64) * (out - out_ref)).sum(-1)  # [B, T, N]
+  return float(np.abs((p_sink * shift).sum(axis=(0, 1))).max())
 
 
 def test_the_forward_is_pluggable(rng):
