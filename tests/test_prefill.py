@@ -42,9 +42,10 @@ def _run(q, k, v, q_lengths=None, kv_lengths=None, *, interpret, **kwargs):
   return out, lse
 
 
-def _check(out, lse, q, k, v, *, is_causal, q_lengths=None, kv_lengths=None, scale=None):
+def _check(out, lse, q, k, v, *, is_causal, q_lengths=None, kv_lengths=None, scale=None,
+           window=None):
   ref_out, ref_lse = attention_f64(q, k, v, scale=scale, is_causal=is_causal,
-                                   q_lengths=q_lengths, kv_lengths=kv_lengths)
+                                   q_lengths=q_lengths, kv_lengths=kv_lengths, window=window)
   assert_close(out, ref_out, q.dtype)
   # The LSE comes from float32 scores whatever the input dtype: a tighter check than the output.
   lse_tol = F32 if q.dtype == F32 else F16

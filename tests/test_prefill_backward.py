@@ -367,11 +367,11 @@ def test_option_gradients_in_bfloat16(interpret, rng):
     err, base_err = np.abs(g - ref).max(), np.abs(bs - ref).max()
     limit = MULTIPLE * base_err + 1e-2 * max(1., np.abs(ref).max())
     if name == "d_sinks":
-      limit += _d_sinks_rounding(attend, args, d_out, options)
+      limit += _d_sinks_shift_from_out(attend, args, d_out, options)
     assert err <= limit, f"{name}: error {err:.3g} over {limit:.3g} (bf16 baseline {base_err:.3g})"
 
 
-def _d_sinks_rounding(attend, args, d_out, options) -> float:
+def _d_sinks_shift_from_out(attend, args, d_out, options) -> float:
   """What the forward's bf16 output costs d_sinks = -sum_rows P_sink * rowsum(dO * O): the
   backward, as FlashAttention-2's, takes delta from the stored O (rounded to bf16, and
   computed from bf16 P), so its d_sinks moves by sum_rows P_sink * rowsum(dO * (O - O_exact))
