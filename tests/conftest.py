@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import jax
@@ -47,6 +48,29 @@ def pytest_collection_modifyitems(config, items):
   if drop:
     config.hook.pytest_deselected(items=drop)
     items[:] = keep
+
+
+MAX_MEMORY_MAPS = 20_000  # Linux refuses more than vm.max_map_count (65530 by default)
+
+
+def _memory_maps() -> int:
+  try:
+    with open("/proc/self/maps") as maps:
+      return sum(1 for _ in maps)
+  except OSError:  # not Linux: no such limit to keep under
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def release_compiled_code():
+  """Drops JAX's compiled executables once they hold many memory maps. XLA:CPU maps each
+  executable's code while its cache entry lives; over the whole suite a worker would pass
+  the kernel's limit on maps per process, and LLVM then fails ("Cannot allocate memory")
+  or the worker dies. Clearing only past a threshold keeps the recompiles rare."""
+  yield
+  if _memory_maps() > MAX_MEMORY_MAPS:
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(params=[pytest.param(True, id="interpret"),
