@@ -68,7 +68,7 @@ def mosaic_fn(config=None):
 
 
 def triton_fn(q, k, v):
-  return jaxflash.prefill_attention(q, k, v, is_causal=True)
+  return jaxflash.prefill_attention(q, k, v, is_causal=True, implementation="triton")
 
 
 def cudnn_fn(q, k, v):

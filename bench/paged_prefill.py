@@ -3,7 +3,7 @@
 Qwen2.5-1.5B attention (12 query heads, 2 KV heads, head dim 128, bf16, causal,
 bottom-right): batch 1 with n = 4096 ... 32768 keys, for a whole prompt (T = n new tokens)
 and for one chunk of chunked prefill (the last T = 512 tokens over n keys). The contiguous
-kernel (jaxflash.prefill_attention) reads [1, n, K, H] caches; the paged one
+kernel (jaxflash.prefill.prefill_attention) reads [1, n, K, H] caches; the paged one
 (jaxflash.paged_prefill_attention) reads the same keys scattered over a pool of 16- or
 64-token pages through a random block table. Both run in one profiler session per row.
 TFLOP/s count 4 d per visible (query, key) pair and head.

@@ -87,6 +87,77 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                     return_residual=bool(return_residual), implementation=implementation)
 
 
+# The prefill kernels `prefill_attention` chooses between (a subset of IMPLEMENTATIONS).
+PREFILL_IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic")
+
+
+def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
+                      bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
+                      logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
+                      return_residual=False, implementation=None, config=None,
+                      backward_config=None, interpret: bool | None = None):
+  """The FlashAttention-2 prefill with its forward kernel chosen: the Pallas-Triton kernel
+  (`jaxflash.prefill.prefill_attention`: every option, any GPU, interpreted off one) or the
+  Pallas Mosaic GPU kernel (`jaxflash.mosaic.prefill_attention`: sm_90+). Arguments, values
+  and gradients are the Triton kernel's (the Triton backward differentiates either forward).
+
+  implementation (`PREFILL_IMPLEMENTATIONS`): None picks the Mosaic kernel where
+  `jaxflash.attention` would (an sm_90+ GPU, bf16/fp16, the options it takes, a concrete
+  scale) and the Triton kernel otherwise; "triton" ("pallas") or "mosaic" forces one, and
+  "mosaic" raises ValueError saying why where it cannot serve the call.
+  config: a `PrefillConfig` (Triton tiles) or a `MosaicPrefillConfig`; given with
+  implementation=None, its type picks the kernel. backward_config: the backward's.
+  interpret=True runs the Triton kernel interpreted (the Mosaic kernel is compiled only).
+  """
+  from jaxflash import prefill as triton_prefill
+  from jaxflash.mosaic import MosaicPrefillConfig
+  if implementation not in PREFILL_IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {PREFILL_IMPLEMENTATIONS}, got {implementation!r}")
+  if config is not None and not isinstance(config, (configs.PrefillConfig, MosaicPrefillConfig)):
+    raise TypeError(f"config must be a PrefillConfig or a MosaicPrefillConfig, got {type(config).__name__}")
+  options = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 causal_alignment=causal_alignment, return_residual=return_residual)
+  implementation = _check_implementation(implementation)
+  if implementation is None:
+    if isinstance(config, MosaicPrefillConfig):
+      implementation = "mosaic"
+    elif isinstance(config, configs.PrefillConfig) or interpret:
+      implementation = "triton"
+  wrong_config = configs.PrefillConfig if implementation == "mosaic" else MosaicPrefillConfig
+  if isinstance(config, wrong_config):
+    raise TypeError(f"config is a {type(config).__name__}, which implementation="
+                    f"{implementation!r} does not take")
+  _checks.check_qkv(query, key, value)
+  if implementation != "triton":
+    mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
+                     window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
+    # forced: one query token is a prefill here; the decode kernels are jaxflash.attention's.
+    reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths, None, bias,
+                           mask, sinks, scale=scale, mods=mods, forced=True)
+    if implementation == "mosaic" and reason is not None:
+      raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
+    implementation = "mosaic" if reason is None else "triton"
+  if implementation == "triton":
+    return triton_prefill.prefill_attention(
+        query, key, value, query_seq_lengths, key_value_seq_lengths, config=config,
+        backward_config=backward_config, interpret=interpret, **options)
+
+  from jaxflash.mosaic import prefill_attention as mosaic_prefill
+  batch = query.shape[0]
+  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
+  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  # mosaic_reason let through only what the kernel computes: bottom-right positions (or
+  # top-left ones that equal them), no bias, mask, soft-cap or sinks, a concrete scale.
+  kernel = functools.partial(mosaic_prefill, scale=_concrete_scale(scale, query.shape[-1]),
+                             is_causal=mods.is_causal, local_window_size=mods.window,
+                             return_residual=True, config=config, interpret=interpret)
+  out, lse = _differentiable(lambda q, k, v, q_len, kv_len, *_: kernel(q, k, v, q_len, kv_len),
+                             query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale,
+                             backward_config=backward_config)
+  return (out, lse) if return_residual else out
+
+
 def _check_implementation(implementation) -> str | None:
   """The registry name, with "pallas" read as "triton"; None stays None (chosen per call)."""
   if implementation not in IMPLEMENTATIONS:
@@ -307,14 +378,15 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
 
 
 def _differentiable(forward, query, key, value, q_lengths, kv_lengths, *, mods: ScoreMods, scale,
-                    bias=None, mask=None, sinks=None):
+                    bias=None, mask=None, sinks=None, backward_config=None):
   """forward(q, k, v, q_lengths, kv_lengths, bias, mask, sinks, scale, with_lse) -> (out, lse),
   differentiated by the FlashAttention-2 backward kernels (jaxflash/prefill_backward.py) with
   the call's options; both sharding-aware. The forward is pluggable: any kernel with the
   reference's out and LSE for `mods` (the Triton or Mosaic prefill, the decode kernels)."""
   from jaxflash import prefill_backward
   head_dim = query.shape[-1]
-  config = prefill_backward.resolve_config(None, head_dim, jnp.promote_types(query.dtype, key.dtype))
+  config = prefill_backward.resolve_config(backward_config, head_dim,
+                                           jnp.promote_types(query.dtype, key.dtype))
   kernel = functools.partial(prefill_backward.backward_kernels, mods=mods, config=config,
                              interpret=None)
 

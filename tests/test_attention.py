@@ -385,3 +385,77 @@ def test_gradients_through_every_option_match_xla(path, rng):
       for impl in (None, "xla"))
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5 * max(1., float(jnp.abs(w).max())))
+
+
+def test_prefill_attention_chooses_its_kernel(rng):
+  """`jaxflash.prefill_attention` is the Triton kernel where Mosaic cannot serve (here: no
+  sm_90 GPU, or float32); forcing "mosaic" then says why; configs of the other kernel and
+  unknown names are refused."""
+  from jaxflash.prefill import prefill_attention as triton_prefill
+  assert jaxflash.PREFILL_IMPLEMENTATIONS == (None, "triton", "pallas", "mosaic")
+  q, k, v = _qkv(rng, 2, 19, 23)
+  lengths = jnp.asarray([19, 11], jnp.int32)
+  kwargs = dict(is_causal=True, return_residual=True)
+  want = triton_prefill(q, k, v, lengths, None, **kwargs)
+  for implementation in (None, "triton", "pallas"):
+    got = jaxflash.prefill_attention(q, k, v, lengths, None, implementation=implementation, **kwargs)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match=r"implementation='mosaic' cannot serve this call: .*(GPU|float32|sm_)"):
+    jaxflash.prefill_attention(q, k, v, implementation="mosaic")
+  with pytest.raises(ValueError, match=r"implementation must be one of \(None, 'triton', 'pallas', "
+                     r"'mosaic'\), got 'xla'"):
+    jaxflash.prefill_attention(q, k, v, implementation="xla")
+  with pytest.raises(TypeError, match="config is a MosaicPrefillConfig, which implementation='triton'"):
+    jaxflash.prefill_attention(q, k, v, implementation="triton", config=jaxflash.MosaicPrefillConfig())
+  with pytest.raises(TypeError, match="config is a PrefillConfig, which implementation='mosaic'"):
+    jaxflash.prefill_attention(q, k, v, implementation="mosaic", config=jaxflash.PrefillConfig(16, 16))
+  with pytest.raises(TypeError, match="config must be a PrefillConfig or a MosaicPrefillConfig, got dict"):
+    jaxflash.prefill_attention(q, k, v, config={"block_q": 16})
+
+
+def test_prefill_attention_routes_to_mosaic_and_differentiates(monkeypatch, rng):
+  """Where Mosaic serves (a stand-in for the device rule and for the compiled kernel, which
+  records what it is given), `jaxflash.prefill_attention` runs it with the compile-time
+  scale, the causal flag, the window and the config, and the Triton backward, with the
+  given backward_config, gives the Triton path's gradients. interpret=True or a Triton
+  config keeps the Triton kernel."""
+  import jaxflash.mosaic
+  from jaxflash.prefill import prefill_attention as triton_prefill
+  calls = []
+
+  def stand_in(q, k, v, q_len, kv_len, *, scale, is_causal, local_window_size, return_residual,
+               config, interpret):
+    calls.append(dict(scale=scale, is_causal=is_causal, window=local_window_size, config=config))
+    assert return_residual and not interpret
+    return triton_prefill(q, k, v, q_len, kv_len, scale=scale, is_causal=is_causal,
+                          local_window_size=local_window_size, return_residual=True)
+
+  monkeypatch.setattr(ATTENTION, "mosaic_reason", lambda *args, **kwargs: None)
+  monkeypatch.setattr(jaxflash.mosaic, "prefill_attention", stand_in)
+  q, k, v = _qkv(rng, 2, 21, 30, heads=6, kv_heads=2)
+  d_out = random_array(rng, q.shape, F32)
+  q_len, kv_len = jnp.asarray([21, 9], jnp.int32), jnp.asarray([30, 17], jnp.int32)
+  options = dict(scale=0.3, is_causal=True, local_window_size=(7, 2))
+  backward = jaxflash.BackwardConfig(16, 16, q_splits=2)
+
+  def loss(run, q, k, v):
+    out, lse = run(q, k, v, q_len, kv_len, return_residual=True, backward_config=backward, **options)
+    return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  got = jax.grad(functools.partial(loss, jaxflash.prefill_attention), (0, 1, 2))(q, k, v)
+  want = jax.grad(functools.partial(loss, triton_prefill), (0, 1, 2))(q, k, v)
+  assert calls and calls[0] == dict(scale=0.3, is_causal=True, window=(7, 2), config=None)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  out = jaxflash.prefill_attention(q, k, v, q_len, kv_len, **options)
+  np.testing.assert_allclose(out, triton_prefill(q, k, v, q_len, kv_len, **options), atol=1e-6)
+
+  config = jaxflash.MosaicPrefillConfig(64, 64, 2)
+  jaxflash.prefill_attention(q, k, v, config=config)
+  assert calls[-1]["config"] == config and calls[-1]["scale"] == 32 ** -0.5
+  calls.clear()
+  jaxflash.prefill_attention(q, k, v, interpret=True)
+  jaxflash.prefill_attention(q, k, v, config=jaxflash.PrefillConfig(16, 16))
+  jaxflash.prefill_attention(q, k, v, implementation="triton")
+  assert not calls

@@ -169,7 +169,8 @@ def test_matches_the_triton_prefill(rng):
   """The Qwen-like benchmark shape (12 / 2 heads): the same function as the Triton kernel."""
   q, k, v = _qkv(rng, 1, 2048, 2048, 12, 2, 128, BF16)
   out, lse = prefill_attention(q, k, v, is_causal=True, return_residual=True)
-  ref_out, ref_lse = jaxflash.prefill_attention(q, k, v, is_causal=True, return_residual=True)
+  ref_out, ref_lse = jaxflash.prefill_attention(q, k, v, is_causal=True, return_residual=True,
+                                                implementation="triton")
   assert_close(out, np.asarray(ref_out.astype(F32)), BF16)
   assert_close(lse, np.asarray(ref_lse), F16, what="lse")
 
@@ -184,6 +185,21 @@ def test_no_n_by_n_buffer():
   stats = compiled.memory_analysis()
   assert stats is not None
   assert stats.temp_size_in_bytes < n * n, stats.temp_size_in_bytes  # an [n, n] bf16 buffer is 2 n^2
+
+
+@gpu
+@SM90_ONLY
+def test_public_prefill_defaults_to_this_kernel(rng):
+  """`jaxflash.prefill_attention` runs this kernel by default on sm_90+ (the same bits) and
+  the Triton kernel with implementation="triton" or with an option this kernel lacks."""
+  from jaxflash.prefill import prefill_attention as triton_prefill
+  q, k, v = _qkv(rng, 1, 300, 300, 8, 2, 128, BF16)
+  np.testing.assert_array_equal(jaxflash.prefill_attention(q, k, v, is_causal=True),
+                                prefill_attention(q, k, v, is_causal=True))
+  np.testing.assert_array_equal(jaxflash.prefill_attention(q, k, v, is_causal=True, implementation="triton"),
+                                triton_prefill(q, k, v, is_causal=True))
+  np.testing.assert_array_equal(jaxflash.prefill_attention(q, k, v, is_causal=True, logits_soft_cap=20.0),
+                                triton_prefill(q, k, v, is_causal=True, logits_soft_cap=20.0))
 
 
 # --------------------------------------------------------------------- no GPU needed

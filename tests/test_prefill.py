@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import PrefillConfig, prefill_attention
-from jaxflash.prefill import prefill_reference
+from jaxflash import PrefillConfig
+from jaxflash.prefill import prefill_attention, prefill_reference  # the Pallas-Triton kernel itself
 from tests.conftest import assert_close, poison_allocator, random_array
 from tests.reference_np import attention_f64
 

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import BackwardConfig, PrefillConfig, prefill_attention
+from jaxflash import BackwardConfig, PrefillConfig
+from jaxflash.prefill import prefill_attention  # the Pallas-Triton kernel itself
 from tests.conftest import SM90_ONLY, poison_allocator, random_array
 from tests.reference_np import attention_f64
 
