@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxflash import _checks, configs, sharding
 from jaxflash._triton import use_interpret
 from jaxflash.reference import attention_reference, gather_pages, visible_keys
-from jaxflash.score_mods import ScoreMods, soft_cap, window_size
+from jaxflash.score_mods import ScoreMods
 
 # None: the best kernel for the device. "triton": the Pallas-Triton kernels ("pallas", the
 # older name, is an alias). "mosaic": the Pallas Mosaic GPU prefill (sm_90+). "xla":
@@ -63,8 +63,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   """
   implementation = _check_implementation(implementation)
   _checks.check_float("query", query)
-  mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
-                   window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
+  mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
+                                local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   if implementation is None or implementation == "mosaic":
     reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths,
                            block_table, bias, mask, sinks, scale=scale, mods=mods,
@@ -130,8 +130,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                     f"{implementation!r} does not take")
   _checks.check_qkv(query, key, value)
   if implementation != "triton":
-    mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
-                     window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
+    mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
+                                  local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
     # forced: one query token is a prefill here; the decode kernels are jaxflash.attention's.
     reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths, None, bias,
                            mask, sinks, scale=scale, mods=mods, forced=True)

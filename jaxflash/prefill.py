@@ -33,7 +33,7 @@ from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load, loa
                               quiet, store, use_interpret)
 from jaxflash.configs import PrefillConfig
 from jaxflash.reference import attention_reference
-from jaxflash.score_mods import ScoreMods, key_blocks, soft_cap, window_size
+from jaxflash.score_mods import ScoreMods, key_blocks, window_size
 from jaxflash.sharding import manual_axes, result_struct
 
 APPROX_EXP2 = True  # compiled kernels use ex2.approx (see jaxflash._triton.exp2)
@@ -243,8 +243,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   bias = _checks.check_bias(bias, scores_shape)
   mask = _checks.check_mask(mask, scores_shape)
   sinks = _checks.check_sinks(sinks, num_heads)
-  mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
-                   window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
+  mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
+                                local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   scale = _checks.scale_operand(scale, head_dim)
   tile_dtype = jnp.promote_types(query.dtype, key.dtype)
   config = resolve_config(config, head_dim, tile_dtype)

@@ -53,7 +53,7 @@ from jaxflash._triton import (LOG2_E, CompilerParams, dot, exp2, load, load_mask
 from jaxflash.configs import BackwardConfig
 from jaxflash.prefill import APPROX_EXP2, _block_size, _load_tile, _operand_spec
 from jaxflash.reference import attention_reference
-from jaxflash.score_mods import ScoreMods, soft_cap, window_size
+from jaxflash.score_mods import ScoreMods, window_size
 from jaxflash.sharding import like_primal, manual_axes, result_struct
 
 
@@ -566,8 +566,8 @@ def prefill_backward(query, key, value, out, lse, d_out, d_lse=None, query_seq_l
   bias = _checks.check_bias(bias, scores_shape)
   mask = _checks.check_mask(mask, scores_shape)
   sinks = _checks.check_sinks(sinks, num_heads)
-  mods = ScoreMods(is_causal=bool(is_causal), causal_alignment=causal_alignment,
-                   window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
+  mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
+                                local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   scale = _checks.scale_operand(scale, head_dim)
   config = resolve_config(config, head_dim, jnp.promote_types(query.dtype, key.dtype))
   dq, dk, dv, ds = backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, d_lse,

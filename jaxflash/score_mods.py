@@ -46,6 +46,13 @@ class ScoreMods:
       raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, got "
                        f"{self.causal_alignment!r}")
 
+  @classmethod
+  def from_options(cls, *, is_causal=False, causal_alignment="bottom_right", local_window_size=None,
+                   logits_soft_cap=None) -> "ScoreMods":
+    """The public functions' keywords, checked (`window_size`, `soft_cap`), as one value."""
+    return cls(is_causal=bool(is_causal), causal_alignment=causal_alignment,
+               window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
+
   @property
   def left(self) -> int | None:
     """Keys before p a query may see (None: all)."""

@@ -52,7 +52,7 @@ from jaxflash import _checks, _mosaic
 from jaxflash._mosaic import LN_2, LOG2_E, pl, plgpu
 from jaxflash.device import DeviceInfo, device_info
 from jaxflash.prefill import prefill_reference
-from jaxflash.score_mods import ScoreMods, key_blocks, window_size
+from jaxflash.score_mods import ScoreMods, key_blocks
 
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA (FlashAttention-3's ping-pong pair)
 CONSUMER_REGISTERS = 232  # setmaxnreg per consumer thread; the producer keeps 40
@@ -456,7 +456,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     raise ValueError(f"the Mosaic prefill takes head dims that are multiples of 64 up to 256, "
                      f"got query {tuple(query.shape)}")
   scale = _checks.default_scale(scale, head_dim)
-  mods = ScoreMods(is_causal=bool(is_causal), window=window_size(local_window_size))
+  mods = ScoreMods.from_options(is_causal=is_causal, local_window_size=local_window_size)
   info = device_info()
   if config is None:
     config = mosaic_prefill_config(head_dim, query.dtype, info)
