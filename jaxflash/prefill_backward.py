@@ -198,12 +198,17 @@ def _dkdv_kernel(
     body = functools.partial(step, start=start, count=count, edge=edge)
     if q_splits == 1:
       return lax.fori_loop(0, group * count, body, carry)
-    # This split's contiguous share, counted from 0 (the index offset inside), the form of
-    # the loop above: with a traced lower bound the compiled kernel read out of bounds.
+    # This split's contiguous share, counted from 0 (the index offset inside). A split's
+    # share of a run may be empty, and Triton's software pipeliner (num_stages >= 2)
+    # issues the first iteration's loads of such a loop anyway, from an address that is
+    # never computed: on the H200 the compiled kernel read address 0x80 (compute-sanitizer;
+    # windows (0, 0), (5, 0) and (40, 0) at T = 24, S = 31, q_splits = 2). The loop runs
+    # only where it has trips; with num_stages = 1, or the guard, no shape faulted.
     share = lax.div(group * count + (q_splits - 1), q_splits)
     first = jnp.minimum(split * share, group * count)
     trips = jnp.minimum(share, group * count - first)
-    return lax.fori_loop(0, trips, lambda i, carry: body(first + i, carry), carry)
+    loop = lambda carry: lax.fori_loop(0, trips, lambda i, carry: body(first + i, carry), carry)
+    return lax.cond(trips > 0, loop, lambda carry: carry, carry)
 
   carry = (jnp.zeros((block_k, head_dim_padded), jnp.float32),
            jnp.zeros((block_k, head_dim_padded), jnp.float32))
