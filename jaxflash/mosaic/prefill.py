@@ -75,17 +75,13 @@ class MosaicPrefillConfig:
   under which Pallas documents `unsafe_no_auto_barriers` as safe.
 
   `named_schedule`: the ping-pong on two hardware named barriers (bar.arrive on the other
-  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier.
-
-  `overlap_softmax`: FlashAttention-3's intra-warpgroup overlap on top of the ping-pong
-  (QK^T of block j issued with PV of block j - 1)."""
+  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier."""
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
   auto_barriers: bool = False
   named_schedule: bool = False
-  overlap_softmax: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     tiles = NUM_CONSUMERS * self.block_q + 2 * self.num_stages * self.block_kv
@@ -220,7 +216,6 @@ def _prefill_kernel(
     num_q_tiles: int,
     group: int,
     named_schedule: bool,
-    overlap_softmax: bool,
 ):
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
@@ -371,110 +366,13 @@ def _prefill_kernel(
       else:
         issued()
 
-    def softmax(s, m_i, l_i, j, *, masked: bool):
-      """Scores s [block_q, block_kv] of key block j -> (P in the input dtype, new max,
-      the factor alpha that rescales what was summed before, new sum)."""
-      if masked:
-        shape = (block_q, block_kv)
-        keys = iota(shape, 1) + j * block_kv
-        rows = iota(shape, 0)
-        if mods.right is None:
-          visible = keys < kv_valid
-        else:
-          visible = keys <= jnp.minimum(rows + (q_base + shift + mods.right), kv_valid - 1)
-        if mods.left is not None:
-          visible &= keys >= rows + (q_base + shift - mods.left)
-        s = jnp.where(visible, s, -jnp.inf)
-      m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      alpha = jnp.exp2(m_i - m_safe)
-      p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
-      return p.astype(dtype), m_new, alpha, l_i * alpha + p.sum(axis=1)
-
-    zero_scores = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
-
-    def wait_next_keys(j):
-      @pl.when(j + 1 < hi)
-      def _():
-        plgpu.barrier_wait(k_ready.at[lax.rem(j + 1 - cta_lo, num_stages)])
-
-    def first_step(j, carry):
-      # Block cta_lo: QK^T and its softmax only; its PV is issued with the next QK^T.
-      acc, m_i, l_i, _ = carry
-      def qk(s_ref):
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[0].T)
-        issued()
-        return s_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[0])
-      p, m_new, alpha, l_new = softmax(s, m_i, l_i, j, masked=True)
-      acc = acc * rows_bcast(alpha, acc.shape)
-      acc, l_new, m_new, p = lax.optimization_barrier((acc, l_new, m_new, p))
-      softmax_done(0)
-      wait_next_keys(j)
-      return acc, m_new, l_new, p
-
-    def overlapped_step(j, carry, *, masked: bool):
-      # FlashAttention-3's intra-warpgroup overlap (section 3.2): QK^T of block j and PV of
-      # block j - 1 are issued together; the softmax of block j runs while PV is on the
-      # tensor cores, and the accumulator is rescaled once PV has landed.
-      acc, m_i, l_i, p_prev = carry
-      slot = lax.rem(j - cta_lo, num_stages)
-      prev = lax.rem(j - 1 - cta_lo, num_stages)
-
-      def body(refs):
-        acc_ref, s_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
-        issued()
-        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T landed, PV may still run
-        plgpu.barrier_arrive(k_free.at[slot])
-        p, m_new, alpha, l_new = softmax(s, m_i, l_i, j, masked=masked)
-        p_ref[...] = p
-        m_ref[...] = m_new
-        l_ref[...] = l_new
-        alpha_ref[...] = alpha
-
-      acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
-          (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), p_prev, m_i, l_i, m_i))
-      plgpu.barrier_arrive(v_free.at[prev])
-      acc = acc * rows_bcast(alpha, acc.shape)
-      acc, l_new, m_new, p = lax.optimization_barrier((acc, l_new, m_new, p))
-      softmax_done(slot)
-      wait_next_keys(j)
-      return acc, m_new, l_new, p
-
-    def last_pv(_, carry):
-      acc, m_i, l_i, p = carry
-      slot = lax.rem(hi - 1 - cta_lo, num_stages)
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_i, l_i, p
-
-    if overlap_softmax:
-      first_end = jnp.minimum(cta_lo + 1, hi)
-      lo_o = jnp.maximum(full_lo, first_end)
-      hi_o = jnp.maximum(full_hi, first_end)
-      p0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), plgpu.Layout.WGMMA)
-      carry = lax.fori_loop(cta_lo, first_end, first_step, (acc, m_i, l_i, p0))
-      if mods.left is not None:
-        carry = lax.fori_loop(first_end, lo_o, functools.partial(overlapped_step, masked=True), carry)
-      carry = lax.fori_loop(lo_o, hi_o, functools.partial(overlapped_step, masked=False), carry)
-      carry = lax.fori_loop(hi_o, hi, functools.partial(overlapped_step, masked=True), carry)
-      carry = lax.fori_loop(0, (hi > cta_lo).astype(jnp.int32), last_pv, carry)
-      acc, m_i, l_i, _ = carry
-    else:
-      # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, the diagonal or
-      # the end of the keys and run masked; every row sees all of [full_lo, full_hi).
-      carry = (acc, m_i, l_i)
-      if mods.left is not None:
-        carry = lax.fori_loop(cta_lo, full_lo, functools.partial(step, masked=True), carry)
-      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-      acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+    # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, the diagonal or
+    # the end of the keys and run masked; every row sees all of [full_lo, full_hi).
+    carry = (acc, m_i, l_i)
+    if mods.left is not None:
+      carry = lax.fori_loop(cta_lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
     lax.fori_loop(hi, cta_hi, drain, None)
     pl.when(wg == 0)(end_turn)
 
@@ -594,7 +492,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       _prefill_kernel, qk_scale=scale * LOG2_E, mods=mods, block_q=block_q,
       block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
       num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
-      named_schedule=config.named_schedule, overlap_softmax=config.overlap_softmax)
+      named_schedule=config.named_schedule)
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
