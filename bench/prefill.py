@@ -14,6 +14,7 @@ XLA reference at one size, and a tuning sweep of the kernel at n = 8192 (block_q
 x warps x stages).
 
   python -m bench.prefill [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
+  python -m bench.prefill --no-sweep --impls jaxflash cudnn fa3 tokamax --sizes 8192 32768
   python -m bench.prefill --smoke                               # tiny CPU run, interpret mode
 """
 from __future__ import annotations
@@ -251,6 +252,10 @@ def main_columns():
 def parse_args(argv=None):
   p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", time_limit_s=360.0,
                       quick="fewer sizes", sweep=True)
+  p.add_argument("--impls", nargs="*", choices=IMPLS, default=None,
+                 help="the contenders to run (default: all; --quick leaves out xla and naive)")
+  p.add_argument("--sizes", type=int, nargs="*", default=None,
+                 help="batch-1 sequence lengths (default: 512 ... 32768, or --quick's), then 4 x 4096")
   return p.parse_args(argv)
 
 
@@ -264,6 +269,7 @@ def main(argv=None):
   else:
     # --quick: the sizes of the issue targets, without the materialising XLA paths.
     ns = [2048, 4096, 16384, 32768] if args.quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    ns = args.sizes or ns
     sizes = [(1, n) for n in ns] + [(4, 4096)]
     acc_n, sweep_n = 4096, 8192
     grid = {"block_q": [64, 128], "block_k": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
@@ -289,7 +295,8 @@ def main(argv=None):
       notes.append(f"B={batch} n={n}: skipped (time limit)")
       continue
     log(f"[{limit.elapsed():6.1f}s] B={batch} n={n}")
-    impls = tuple(i for i in IMPLS if not (args.quick and i in ("xla", "naive")))
+    impls = tuple(i for i in IMPLS if i in (args.impls or IMPLS)
+                  and not (args.quick and i in ("xla", "naive")))
     row, err = try_call(bench_row, batch, n, ceiling, limit, check=(batch, n) == (1, acc_n),
                         impls=impls)
     if err:

@@ -45,8 +45,8 @@ def _run(q, k, v, q_lengths=None, kv_lengths=None, **kwargs):
 
 # (batch, T, S, N, K, head_dim, dtype, causal, config): odd lengths, T < S and T > S, GQA
 # groups 1, 2, 3, 5, 6, 7, 8, every head dim (64, 128, 192, 256) and both dtypes.
-SMALL = MosaicPrefillConfig(64, 64, 2)
-NAMED = MosaicPrefillConfig(64, 128, 2, named_schedule=True)
+SMALL = MosaicPrefillConfig(64, 64, 2)  # one CTA per query tile, the mbarrier ping-pong
+NAMED = MosaicPrefillConfig(64, 128, 2, named_schedule=True)  # one CTA per query tile
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -62,7 +62,8 @@ CASES = [
     (1, 1000, 1000, 12, 2, 128, BF16, True, None),  # many tiles, deep ring
     (1, 513, 777, 3, 3, 192, F16, True, None),
     (1, 640, 640, 4, 1, 64, F16, True, None),
-    (2, 1000, 1100, 12, 2, 128, BF16, True, NAMED),  # the named-barrier ping-pong
+    (2, 1000, 1100, 12, 2, 128, BF16, True, None),  # 192 tiles: persistent CTAs take several
+    (2, 1000, 1100, 12, 2, 128, BF16, True, NAMED),
     (1, 333, 333, 4, 2, 256, F16, False, dataclasses.replace(NAMED, block_kv=64)),
 ]
 
@@ -91,13 +92,14 @@ WINDOW_CASES = [
     (1, 700, 333, 5, 1, 64, BF16, True, (5, 0), None),  # T > S, a window inside one block
     (1, 400, 400, 7, 1, 256, F16, False, (100, 37), None),  # two-sided, no causal mask
     (1, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), NAMED),
+    (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), None),  # persistent, ragged, 192 tiles
     (1, 1000, 1000, 8, 8, 128, BF16, False, (0, 300), None),  # keys ahead only
 ]
 
 
 @gpu
 @SM90_ONLY
-@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"t{c[1]}-s{c[2]}-w{c[8][0]}x{c[8][1]}")
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"b{c[0]}-t{c[1]}-s{c[2]}-w{c[8][0]}x{c[8][1]}")
 def test_sliding_window_matches_reference(case, rng):
   batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, causal, window, config = case
   q, k, v = _qkv(rng, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
@@ -158,7 +160,8 @@ def test_scale_residual_off_and_configs(rng):
   assert_close(out, ref, BF16)
   for config in (MosaicPrefillConfig(64, 64, 1), MosaicPrefillConfig(64, 128, 2),
                  MosaicPrefillConfig(64, 64, 4), MosaicPrefillConfig(64, 192, 2),
-                 MosaicPrefillConfig(64, 128, 2, auto_barriers=True), NAMED):
+                 MosaicPrefillConfig(64, 128, 2, auto_barriers=True), NAMED,
+                 MosaicPrefillConfig(64, 128, 2, persistent=True), MosaicPrefillConfig(64, 64, 1, persistent=True)):
     out, lse = _run(q, k, v, is_causal=True, config=config)
     _check(out, lse, q, k, v, is_causal=True)
 
@@ -264,6 +267,7 @@ def test_configs_fit_and_are_tuned_per_head_dim():
       config = mosaic_prefill_config(head_dim, dtype, H200)
       assert config.smem_bytes(head_dim, 2) <= H200.smem_per_block
       assert config.block_q % 64 == 0 and config.block_kv % 64 == 0
+      assert config.persistent
   small = DeviceInfo("small", (9, 0), 132, 99 * 1024)
   assert mosaic_prefill_config(128, BF16, small).smem_bytes(128, 2) <= small.smem_per_block
 
@@ -298,8 +302,8 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
     prefill_attention(q, k, v)
 
 
-@pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (None, (70, 0))],
-                         ids=["default", "named", "window"])
+@pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (SMALL, None), (None, (70, 0))],
+                         ids=["default", "named", "per-tile", "window"])
 @CPU_ONLY
 @NEEDS_MOSAIC
 def test_kernel_traces_on_this_jax(config, window, monkeypatch):

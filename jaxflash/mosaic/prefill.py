@@ -25,9 +25,12 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
   masked, and the blocks outside are never loaded, so a window w costs O(n w). The bounds
   are computed in the kernel from the per-sequence lengths (data, not shapes: no
   recompiles).
-* The grid walks query tiles from the last (longest under the causal mask) to the first,
-  with heads varying fastest so that CTAs resident together read the same KV head (GQA:
-  one KV tile in L2 serves its query heads; K and V are never repeated).
+* Persistent CTAs (FlashAttention-3, section 3.1's tile scheduler): one CTA per SM walks
+  the query tiles, longest under the causal mask first, heads varying fastest so that CTAs
+  resident together read the same KV head (GQA: one KV tile in L2 serves its query heads; K
+  and V are never repeated). The tiles are dealt out in a snake (CTA 0 .. G - 1, then back),
+  which keeps the longest-first order balanced, and the producer's K/V ring runs on from one
+  tile into the next, so a tile's first loads overlap the last one's final steps and store.
 
 Layout: query [B, T, N, H], key/value [B, S, K, H], N a multiple of K; H a multiple of 64
 (the 128-byte swizzle) up to 256; bf16 or fp16. T and S that are not multiples of the tiles
@@ -35,9 +38,7 @@ are padded with zeros outside the kernel (padded keys are masked, padded rows sl
 the common case of whole tiles pads nothing. With key_value_seq_lengths, values past each
 sequence's keys are zeroed first (TMA copies whole tiles, and 0 * NaN is NaN).
 
-Measured on the H200, 2026-12-01 (B = 1, 12 / 2 heads, d = 128, bf16, causal, device
-time): 444 / 567 / 673 / 668 TFLOP/s at 4K / 8K / 16K / 32K, 1.06-1.10x cuDNN; with a
-(4096, 0) window at 32K, 621 TFLOP/s of in-window work, 1.07x cuDNN's windowed kernel.
+Measured on the H200: bench/PERFORMANCE.md ("Prefill on Hopper").
 """
 from __future__ import annotations
 
@@ -75,13 +76,17 @@ class MosaicPrefillConfig:
   under which Pallas documents `unsafe_no_auto_barriers` as safe.
 
   `named_schedule`: the ping-pong on two hardware named barriers (bar.arrive on the other
-  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier."""
+  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier.
+
+  `persistent`: one CTA per SM walks the query tiles (longest first, dealt out in a snake),
+  its K/V ring running on from one tile into the next, instead of one CTA per tile."""
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
   auto_barriers: bool = False
   named_schedule: bool = False
+  persistent: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     tiles = NUM_CONSUMERS * self.block_q + 2 * self.num_stages * self.block_kv
@@ -90,15 +95,18 @@ class MosaicPrefillConfig:
 
 C = MosaicPrefillConfig
 # Head-dim bucket -> candidates, best first; tuned on the H200 on 2026-12-01 with
-# bench/mosaic_sweep.py (B = 1, 12 / 2 heads, bf16, causal; TFLOP/s). d = 128 at 8192 /
-# 32768: 64x128x2 566 / 642, 64x128x3 558 / 573, 64x192x2 521 / 619, 64x256x1 542 / 617,
-# 64x64x2 479 / 560. d = 64 at 8192: 64x128x2 391, 64x128x4 388, 64x64x4 328. d = 256 at
-# 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. block_q stays 64: one wgmma M tile per
-# consumer keeps its accumulator and score tile in registers.
+# bench/mosaic_sweep.py (B = 1, 12 / 2 heads, bf16, causal; TFLOP/s). d = 128, one CTA per
+# tile, at 8192 / 32768: 64x128x2 566 / 642, 64x128x3 558 / 573, 64x192x2 521 / 619,
+# 64x256x1 542 / 617, 64x64x2 479 / 560; d = 64 at 8192: 64x128x2 391, 64x128x4 388, 64x64x4
+# 328; d = 256 at 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. Then d = 128 in one run
+# (results/h200/mosaic_sweep_persistent.log): persistent with the named-barrier ping-pong
+# 658 / 658 at 8192 / 32768 against 625 / 637 per tile (taken for every head dim). block_q
+# stays 64: one wgmma M tile per consumer keeps its accumulator and score tile in registers.
+_TUNED = dict(persistent=True, named_schedule=True)
 _CONFIGS = {
-    64: [C(64, 128, 2), C(64, 64, 2)],
-    128: [C(64, 128, 2), C(64, 64, 2)],
-    256: [C(64, 64, 2), C(64, 64, 1)],
+    64: [C(64, 128, 2, **_TUNED), C(64, 64, 2, **_TUNED)],
+    128: [C(64, 128, 2, **_TUNED), C(64, 64, 2, **_TUNED)],
+    256: [C(64, 64, 2, **_TUNED), C(64, 64, 1, **_TUNED)],
 }
 
 
@@ -214,37 +222,57 @@ def _prefill_kernel(
     seq_q: int,
     seq_kv: int,
     num_q_tiles: int,
+    num_heads: int,
+    batch_size: int,
+    num_ctas: int,
     group: int,
     named_schedule: bool,
 ):
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
-  head = lax.axis_index("heads")
-  tile = num_q_tiles - 1 - lax.axis_index("q_tiles")  # longest (causal) tiles first
-  batch = lax.axis_index("batch")
   wg = lax.axis_index("wg")
+  # A CTA serves items item_of(0), item_of(1), ...: all CTAs but the last round's extras
+  # serve num_rounds of them.
+  num_items = num_heads * batch_size * num_q_tiles
+  num_rounds = -(-num_items // num_ctas)
 
-  # Query t of this sequence sits at key position t + shift (bottom-right alignment).
-  q_len = q_len_ref[batch]
-  kv_len = kv_len_ref[batch]
-  shift = kv_len - q_len
-  q_valid = jnp.minimum(jnp.maximum(q_len, 0), seq_q)
-  kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), seq_kv)
+  def item_of(round_):
+    """This CTA's work item in a round: CTAs deal the items out in a snake (0 .. G - 1, then
+    G - 1 .. 0), so that the longest-first order evens out over the rounds."""
+    cta = lax.axis_index("cta")
+    return round_ * num_ctas + jnp.where(lax.rem(round_, 2) == 0, cta, num_ctas - 1 - cta)
 
-  def bounds(q_base):
-    """Key blocks (lo, full_lo, full_hi, hi) of rows [q_base, q_base + block_q), as
-    score_mods.key_blocks gives them; all zero when no row is valid."""
+  num_rounds_here = num_rounds - 1 + (item_of(num_rounds - 1) < num_items).astype(jnp.int32)
+
+  def tile_of(item):
+    """item -> (batch, query tile, head). Items run the longest (causal) query tiles first,
+    heads fastest, so that CTAs resident together read the same KV head (GQA: one KV tile in
+    L2 serves its query heads; K and V are never repeated)."""
+    head = lax.rem(item, num_heads)
+    rest = lax.div(item, num_heads)
+    return lax.rem(rest, batch_size), num_q_tiles - 1 - lax.div(rest, batch_size), head
+
+  def bounds(batch, q_base):
+    """Key blocks (lo, full_lo, full_hi, hi) of rows [q_base, q_base + block_q) of sequence
+    `batch`, as score_mods.key_blocks gives them (all zero when no row is valid), and the
+    sequence's valid rows, key shift and valid keys."""
+    # Query t of this sequence sits at key position t + shift (bottom-right alignment).
+    q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
+    q_valid = jnp.minimum(jnp.maximum(q_len, 0), seq_q)
+    kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), seq_kv)
+    shift = kv_len - q_len
     rows_end = jnp.minimum(q_base + block_q, q_valid)
     blocks = key_blocks(mods, q_base, rows_end - 1, shift, kv_valid, block_kv)
-    return [jnp.where(rows_end > q_base, x, 0) for x in blocks]
+    return [jnp.where(rows_end > q_base, x, 0) for x in blocks], (q_valid, shift, kv_valid)
 
-  cta_base = tile * (NUM_CONSUMERS * block_q)
-  # The producer loads the union of both consumers' blocks: from the first consumer's first
-  # (its rows are earlier, so a window's left edge reaches further back) to the later of
-  # their last (under the causal mask the second usually needs more).
-  first_bounds, second_bounds = bounds(cta_base), bounds(cta_base + block_q)
-  cta_lo = first_bounds[0]
-  cta_hi = jnp.maximum(first_bounds[3], second_bounds[3])
+  def cta_bounds(batch, tile):
+    """The key blocks [lo, hi) the producer loads for a query tile: the union of both
+    consumers' blocks, from the first consumer's first (its rows are earlier, so a window's
+    left edge reaches further back) to the later of their last (under the causal mask the
+    second usually needs more)."""
+    cta_base = tile * (NUM_CONSUMERS * block_q)
+    (first, _), (second, _) = bounds(batch, cta_base), bounds(batch, cta_base + block_q)
+    return first[0], jnp.maximum(first[3], second[3])
 
   # The ping-pong, per step of each consumer: `issued` once its QK^T is issued (the other
   # consumer may now run its PV), `softmax_done` before its own PV.
@@ -279,27 +307,14 @@ def _prefill_kernel(
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    q_base = cta_base + wg * block_q
-    # Both consumers start at cta_lo, so that they step through the ring together; the
-    # second's one block before its own window (at most) runs masked and adds nothing.
-    _, full_lo, full_hi, hi = bounds(q_base)
-    hi = jnp.maximum(hi, cta_lo)
-    full_lo = jnp.clip(full_lo, cta_lo, hi)
-    full_hi = jnp.clip(full_hi, full_lo, hi)
     q_tile = q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), head], q_tile, q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
 
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
-    l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
-    acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    def load_q(item):
+      batch, tile, head = tile_of(item)
+      q_rows = pl.ds(tile * (NUM_CONSUMERS * block_q) + wg * block_q, block_q)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_tile, q_ready.at[wg])
 
-    @pl.when(hi > cta_lo)
-    def _():
-      plgpu.barrier_wait(k_ready.at[0])
-
-    pl.when(wg == 1)(start_turn)  # the second consumer starts half a step behind
+    load_q(item_of(0))
 
     def iota(shape, dim):
       return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
@@ -307,111 +322,156 @@ def _prefill_kernel(
     def rows_bcast(x, shape):
       return lax.broadcast_in_dim(x, shape, [0])
 
-    def step(j, carry, *, masked: bool):
-      acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
-      slot = lax.rem(j - cta_lo, num_stages)
+    def attend(round_, ring):
+      """One query tile. `ring`: key blocks this CTA consumed before it (ring slot and
+      barrier phase continue from there)."""
+      item = item_of(round_)
+      batch, tile, head = tile_of(item)
+      q_base = tile * (NUM_CONSUMERS * block_q) + wg * block_q
+      cta_lo, cta_hi = cta_bounds(batch, tile)
+      # Both consumers start at cta_lo, so that they step through the ring together; the
+      # second's one block before its own window (at most) runs masked and adds nothing.
+      (_, full_lo, full_hi, hi), (q_valid, shift, kv_valid) = bounds(batch, q_base)
+      hi = jnp.maximum(hi, cta_lo)
+      full_lo = jnp.clip(full_lo, cta_lo, hi)
+      full_hi = jnp.clip(full_hi, full_lo, hi)
 
-      def qk(s_ref):
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-        issued()  # our QK^T is issued: the other consumer may run its PV
-        return s_ref[...]
+      def slot_of(j):
+        return lax.rem(ring + j - cta_lo, num_stages)
 
-      s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [block_q, block_kv]
-      plgpu.barrier_arrive(k_free.at[slot])
-      if masked:
-        # Key s is visible to row r (at position p = q_base + r + shift) when s < kv_valid
-        # and p - left <= s <= p + right: one or two compares per score.
-        shape = (block_q, block_kv)
-        keys = iota(shape, 1) + j * block_kv
-        rows = iota(shape, 0)
-        if mods.right is None:
-          visible = keys < kv_valid
-        else:
-          visible = keys <= jnp.minimum(rows + (q_base + shift + mods.right), kv_valid - 1)
-        if mods.left is not None:
-          visible &= keys >= rows + (q_base + shift - mods.left)
-        s = jnp.where(visible, s, -jnp.inf)
-      # m is kept in scaled units so p = exp2(s * c - m) is one FMA per score.
-      m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-      # A row that has seen no key keeps m = -inf; subtract 0 instead (no -inf - -inf).
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      alpha = jnp.exp2(m_i - m_safe)
-      p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
-      acc = acc * rows_bcast(alpha, acc.shape)
-      l_i = l_i * alpha + p.sum(axis=1)
-      p_tile = p.astype(dtype)
-      # Keep the softmax before the barrier (the order decides the overlap).
-      acc, l_i, m_new, p_tile = lax.optimization_barrier((acc, l_i, m_new, p_tile))
-      softmax_done(slot)  # the tensor cores are ours again
+      plgpu.barrier_wait(q_ready.at[wg])
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+      l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+      acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
+      @pl.when(hi > cta_lo)
+      def _():
+        plgpu.barrier_wait(k_ready.at[slot_of(cta_lo)])
 
-        @pl.when(j + 1 < hi)
-        def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(j + 1 - cta_lo, num_stages)])
+      pl.when(wg == 1)(start_turn)  # the second consumer starts half a step behind
 
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # the accumulator stays in its registers
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l_i
+      def step(j, carry, *, masked: bool):
+        acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
+        slot = slot_of(j)
 
-    def drain(j, _):
-      # Blocks the other consumer still needs: release them and keep the schedule's count.
-      slot = lax.rem(j - cta_lo, num_stages)
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
-      issued()
-      if named_schedule:
-        acquire()
-      else:
+        def qk(s_ref):
+          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+          issued()  # our QK^T is issued: the other consumer may run its PV
+          return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [block_q, block_kv]
+        plgpu.barrier_arrive(k_free.at[slot])
+        if masked:
+          # Key s is visible to row r (at position p = q_base + r + shift) when s < kv_valid
+          # and p - left <= s <= p + right: one or two compares per score.
+          shape = (block_q, block_kv)
+          keys = iota(shape, 1) + j * block_kv
+          rows = iota(shape, 0)
+          if mods.right is None:
+            visible = keys < kv_valid
+          else:
+            visible = keys <= jnp.minimum(rows + (q_base + shift + mods.right), kv_valid - 1)
+          if mods.left is not None:
+            visible &= keys >= rows + (q_base + shift - mods.left)
+          s = jnp.where(visible, s, -jnp.inf)
+        # m is kept in scaled units so p = exp2(s * c - m) is one FMA per score.
+        m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+        # A row that has seen no key keeps m = -inf; subtract 0 instead (no -inf - -inf).
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m_i - m_safe)
+        p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
+        acc = acc * rows_bcast(alpha, acc.shape)
+        l_i = l_i * alpha + p.sum(axis=1)
+        p_tile = p.astype(dtype)
+        # Keep the softmax before the barrier (the order decides the overlap).
+        acc, l_i, m_new, p_tile = lax.optimization_barrier((acc, l_i, m_new, p_tile))
+        softmax_done(slot)  # the tensor cores are ours again
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
+
+          @pl.when(j + 1 < hi)
+          def _():
+            plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # the accumulator stays in its registers
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l_i
+
+      def drain(j, _):
+        # Blocks the other consumer still needs: wait for them too (each barrier's phase is
+        # tracked per consumer and must stay in step for the next tile), release them, and
+        # keep the schedule's count.
+        slot = slot_of(j)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
         issued()
+        if named_schedule:
+          acquire()
+        else:
+          issued()
 
-    # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, the diagonal or
-    # the end of the keys and run masked; every row sees all of [full_lo, full_hi).
-    carry = (acc, m_i, l_i)
-    if mods.left is not None:
-      carry = lax.fori_loop(cta_lo, full_lo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-    acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-    lax.fori_loop(hi, cta_hi, drain, None)
-    pl.when(wg == 0)(end_turn)
+      # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, the diagonal or
+      # the end of the keys and run masked; every row sees all of [full_lo, full_hi).
+      carry = (acc, m_i, l_i)
+      if mods.left is not None:
+        carry = lax.fori_loop(cta_lo, full_lo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+      acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+      lax.fori_loop(hi, cta_hi, drain, None)
+      pl.when(wg == 0)(end_turn)
 
-    # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
-    # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
-    attended = l_i > 0.0
-    inv_l = 1.0 / jnp.where(attended, l_i, 1.0)
-    shape = (block_q, head_dim)
-    keep = (iota(shape, 0) < q_valid - q_base) & rows_bcast(attended, shape)
-    q_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(dtype)
-    # m and log2(l) are base 2: ln 2 converts back to the natural-log LSE.
-    lse_smem[wg] = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_i, 1.0)), -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_base, block_q)])
-    plgpu.wait_smem_to_gmem(0)
+      # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
+      # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
+      attended = l_i > 0.0
+      inv_l = 1.0 / jnp.where(attended, l_i, 1.0)
+      shape = (block_q, head_dim)
+      keep = (iota(shape, 0) < q_valid - q_base) & rows_bcast(attended, shape)
+      q_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(dtype)
+      # m and log2(l) are base 2: ln 2 converts back to the natural-log LSE.
+      lse_smem[wg] = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_i, 1.0)), -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_base, block_q)])
+
+      next_item = item_of(round_ + 1)
+
+      @pl.when(next_item < num_items)
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffers
+        load_q(next_item)
+
+      return ring + (cta_hi - cta_lo)
+
+    lax.fori_loop(0, num_rounds_here, attend, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-    kv_head = lax.div(head, group)
 
-    def load(block, slot):
-      rows = (batch, pl.ds(block * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+    def produce(round_, ring):
+      batch, tile, head = tile_of(item_of(round_))
+      kv_head = lax.div(head, group)
+      cta_lo, cta_hi = cta_bounds(batch, tile)
 
-    count = cta_hi - cta_lo
-    for i in range(num_stages):
-      pl.when(i < count)(functools.partial(load, cta_lo + i, i))
+      @pl.loop(0, cta_hi - cta_lo)
+      def _(j):
+        # The ring's (ring + j)-th load: its slot is free once both consumers released the
+        # load num_stages before it (the first num_stages loads find it empty).
+        load, slot = ring + j, lax.rem(ring + j, num_stages)
+        rows = (batch, pl.ds((cta_lo + j) * block_kv, block_kv), kv_head)
+        pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+        pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-    @pl.loop(0, jnp.maximum(count - num_stages, 0))
-    def _(j):
-      slot = lax.rem(j, num_stages)
-      rows = (batch, pl.ds((cta_lo + j + num_stages) * block_kv, block_kv), kv_head)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+      return ring + (cta_hi - cta_lo)
+
+    lax.fori_loop(0, num_rounds_here, produce, jnp.int32(0))
 
 
 @functools.partial(
@@ -485,14 +545,18 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
   num_q_tiles = seq_q_pad // q_rows
   num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
+  num_items = num_heads * batch * num_q_tiles
+  # Persistent: one CTA per SM (its registers hold no second one) walks the items; else one
+  # CTA per item, launched longest first.
+  num_ctas = min(info.sm_count, num_items) if config.persistent else num_items
 
   if _mosaic.interpret_params(interpret) is not None:
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
   kernel = functools.partial(
       _prefill_kernel, qk_scale=scale * LOG2_E, mods=mods, block_q=block_q,
       block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
-      num_q_tiles=num_q_tiles, group=num_heads // num_kv_heads,
-      named_schedule=config.named_schedule)
+      num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
+      group=num_heads // num_kv_heads, named_schedule=config.named_schedule)
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
@@ -515,8 +579,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       kernel,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(num_heads, num_q_tiles, batch),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=(num_ctas,),
+      grid_names=("cta",),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       # approx_math: exp2 is one ex2.approx; the row max and sum of a wgmma tile stay within
