@@ -283,6 +283,8 @@ def test_off_the_gpu_it_raises_not_implemented():
     (MosaicPrefillConfig(64, 128, 8), ValueError, "shared memory"),
     (MosaicPrefillConfig(48, 64, 2), ValueError, "multiples of 64"),
     (MosaicPrefillConfig(64, 64, 0), ValueError, "num_stages"),
+    (MosaicPrefillConfig(64, 128, 2, named_schedule=True, persistent=True), ValueError,
+     "one CTA per tile"),
     (jaxflash.PrefillConfig(64, 64), TypeError, "MosaicPrefillConfig"),
 ])
 def test_bad_configs_are_refused(config, error, match):

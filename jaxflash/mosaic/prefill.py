@@ -76,7 +76,8 @@ class MosaicPrefillConfig:
   under which Pallas documents `unsafe_no_auto_barriers` as safe.
 
   `named_schedule`: the ping-pong on two hardware named barriers (bar.arrive on the other
-  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier.
+  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier; one CTA per tile
+  only.
 
   `persistent`: one CTA per SM walks the query tiles (longest first, dealt out in a snake),
   its K/V ring running on from one tile into the next, instead of one CTA per tile."""
@@ -99,14 +100,14 @@ C = MosaicPrefillConfig
 # tile, at 8192 / 32768: 64x128x2 566 / 642, 64x128x3 558 / 573, 64x192x2 521 / 619,
 # 64x256x1 542 / 617, 64x64x2 479 / 560; d = 64 at 8192: 64x128x2 391, 64x128x4 388, 64x64x4
 # 328; d = 256 at 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. Then d = 128 in one run
-# (results/h200/mosaic_sweep_persistent.log): persistent with the named-barrier ping-pong
-# 658 / 658 at 8192 / 32768 against 625 / 637 per tile (taken for every head dim). block_q
-# stays 64: one wgmma M tile per consumer keeps its accumulator and score tile in registers.
-_TUNED = dict(persistent=True, named_schedule=True)
+# (results/h200/mosaic_sweep_persistent.log): persistent 652 / 653 at 8192 / 32768 against
+# 625 / 637 per tile (taken for every head dim; with the named-barrier ping-pong 658 / 658,
+# which a persistent CTA cannot use: _check_config). block_q stays 64: one wgmma M tile per
+# consumer keeps its accumulator and score tile in registers.
 _CONFIGS = {
-    64: [C(64, 128, 2, **_TUNED), C(64, 64, 2, **_TUNED)],
-    128: [C(64, 128, 2, **_TUNED), C(64, 64, 2, **_TUNED)],
-    256: [C(64, 64, 2, **_TUNED), C(64, 64, 1, **_TUNED)],
+    64: [C(64, 128, 2, persistent=True), C(64, 64, 2, persistent=True)],
+    128: [C(64, 128, 2, persistent=True), C(64, 64, 2, persistent=True)],
+    256: [C(64, 64, 2, persistent=True), C(64, 64, 1, persistent=True)],
 }
 
 
@@ -134,6 +135,10 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
                      f"(wgmma tiles, 128-byte swizzle), got {config}")
   if config.num_stages < 1:
     raise ValueError(f"config.num_stages must be >= 1, got {config}")
+  if config.persistent and config.named_schedule:
+    raise ValueError(f"config.named_schedule runs one CTA per tile only (persistent=False), got "
+                     f"{config}: a hardware barrier counts arrivals, so a consumer that starts "
+                     "its next tile early could arrive twice in one hand-off")
   need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
   if need > info.smem_per_block:
     raise ValueError(f"{config} needs ~{need} bytes of shared memory for head_dim={head_dim}, over "
