@@ -220,13 +220,13 @@ def _time_prepared(prepared: dict, results: dict, log: Callable[[str], None]) ->
 
   def run():
     # The cases' calls interleave, one of each in turn until each has made its count, so
-    # that clocks or temperature drifting during the trace weigh on every case alike (run
-    # one after another, the later cases of a prefill row read up to 4% slower on the H200).
+    # that clocks or temperature drifting during the trace weigh on every case alike.
+    calls = {name: (compiled, _arg_sets(args), n)
+             for name, (_, compiled, args, n, _) in prepared.items()}
     done = {name: 0 for name in prepared}
     while done:
       for name in list(done):
-        _, compiled, args, n, _ = prepared[name]
-        sets = _arg_sets(args)
+        compiled, sets, n = calls[name]
         try:
           jax.block_until_ready(compiled(*sets[done[name] % len(sets)]))
         except Exception as e:  # noqa: BLE001
