@@ -36,10 +36,10 @@ HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_SIZES = (8192, 32768)
 SWEEP_CONFIGS = ("64x64x2", "64x64x4", "64x128x2", "64x128x2a", "64x128x2n", "64x128x3", "64x192x2",
-                 "64x256x1")
+                 "64x256x1", "64x128x2p", "64x128x2np")
 # Other head dims, swept at 8192 only (their table rows in jaxflash/mosaic/prefill.py).
-HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2"),
-                  256: ("64x64x1", "64x64x2", "64x128x1")}
+HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2", "64x128x2p", "64x128x2np"),
+                  256: ("64x64x1", "64x64x2", "64x128x1", "64x64x2p", "64x64x2np")}
 
 
 def parse_config(text: str) -> mosaic.MosaicPrefillConfig:

@@ -46,7 +46,7 @@ def _run(q, k, v, q_lengths=None, kv_lengths=None, **kwargs):
 # (batch, T, S, N, K, head_dim, dtype, causal, config): odd lengths, T < S and T > S, GQA
 # groups 1, 2, 3, 5, 6, 7, 8, every head dim (64, 128, 192, 256) and both dtypes.
 SMALL = MosaicPrefillConfig(64, 64, 2)  # one CTA per query tile, the mbarrier ping-pong
-NAMED = MosaicPrefillConfig(64, 128, 2, named_schedule=True)  # one CTA per query tile
+NAMED = MosaicPrefillConfig(64, 128, 2, named_schedule=True, persistent=True)
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -65,13 +65,25 @@ CASES = [
     (2, 1000, 1100, 12, 2, 128, BF16, True, None),  # 192 tiles: persistent CTAs take several
     (2, 1000, 1100, 12, 2, 128, BF16, True, NAMED),
     (1, 333, 333, 4, 2, 256, F16, False, dataclasses.replace(NAMED, block_kv=64)),
+    # 512 one-block tiles: each CTA walks about four, the ping-pong handed off between them.
+    (8, 120, 128, 64, 8, 64, F16, True, None),
+    (8, 120, 128, 64, 8, 64, F16, True, NAMED),
+    (2, 1000, 1100, 12, 2, 128, BF16, True, dataclasses.replace(NAMED, named_schedule=False)),
+    (1, 640, 640, 4, 1, 64, F16, True, NAMED),
 ]
 
 
 def _case_id(case):
   b, t, s, n, k, h, dtype, causal, config = case
   return (f"b{b}-t{t}-s{s}-n{n}-k{k}-h{h}-{jnp.dtype(dtype).name}-{'causal' if causal else 'full'}"
-          f"-{'default' if config is None else 'named' if config.named_schedule else 'small'}")
+          f"-{_config_id(config)}")
+
+
+def _config_id(config):
+  if config is None:
+    return "default"
+  flags = [name for name in ("auto_barriers", "named_schedule", "persistent") if getattr(config, name)]
+  return "x".join(map(str, (config.block_q, config.block_kv, config.num_stages, *flags)))
 
 
 @gpu
@@ -92,6 +104,7 @@ WINDOW_CASES = [
     (1, 700, 333, 5, 1, 64, BF16, True, (5, 0), None),  # T > S, a window inside one block
     (1, 400, 400, 7, 1, 256, F16, False, (100, 37), None),  # two-sided, no causal mask
     (1, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), NAMED),
+    (1, 400, 400, 7, 1, 256, F16, False, (100, 37), dataclasses.replace(NAMED, block_kv=64)),
     (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), None),  # persistent, ragged, 192 tiles
     (1, 1000, 1000, 8, 8, 128, BF16, False, (0, 300), None),  # keys ahead only
 ]
@@ -99,7 +112,8 @@ WINDOW_CASES = [
 
 @gpu
 @SM90_ONLY
-@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"b{c[0]}-t{c[1]}-s{c[2]}-w{c[8][0]}x{c[8][1]}")
+@pytest.mark.parametrize("case", WINDOW_CASES,
+                         ids=lambda c: f"b{c[0]}-t{c[1]}-s{c[2]}-w{c[8][0]}x{c[8][1]}-{_config_id(c[9])}")
 def test_sliding_window_matches_reference(case, rng):
   batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, causal, window, config = case
   q, k, v = _qkv(rng, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
@@ -152,18 +166,28 @@ def test_lengths_are_data_not_shapes(rng):
 
 @gpu
 @SM90_ONLY
-def test_scale_residual_off_and_configs(rng):
+def test_scale_and_residual_off(rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
   out = prefill_attention(q, k, v, scale=0.3, is_causal=True)
   assert isinstance(out, jax.Array)
   ref, _ = attention_f64(q, k, v, scale=0.3, is_causal=True)
   assert_close(out, ref, BF16)
-  for config in (MosaicPrefillConfig(64, 64, 1), MosaicPrefillConfig(64, 128, 2),
-                 MosaicPrefillConfig(64, 64, 4), MosaicPrefillConfig(64, 192, 2),
-                 MosaicPrefillConfig(64, 128, 2, auto_barriers=True), NAMED,
-                 MosaicPrefillConfig(64, 128, 2, persistent=True), MosaicPrefillConfig(64, 64, 1, persistent=True)):
-    out, lse = _run(q, k, v, is_causal=True, config=config)
-    _check(out, lse, q, k, v, is_causal=True)
+
+
+C = MosaicPrefillConfig
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("config", [
+    C(64, 64, 1), C(64, 128, 2), C(64, 64, 4), C(64, 192, 2), C(64, 128, 2, auto_barriers=True),
+    C(64, 128, 2, named_schedule=True), NAMED, C(64, 128, 2, persistent=True),
+    C(64, 64, 1, persistent=True), C(64, 64, 1, named_schedule=True, persistent=True),
+], ids=_config_id)
+def test_configs(config, rng):
+  q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
+  out, lse = _run(q, k, v, is_causal=True, config=config)
+  _check(out, lse, q, k, v, is_causal=True)
 
 
 @gpu
@@ -203,6 +227,18 @@ def test_public_prefill_defaults_to_this_kernel(rng):
                                 triton_prefill(q, k, v, is_causal=True))
   np.testing.assert_array_equal(jaxflash.prefill_attention(q, k, v, is_causal=True, logits_soft_cap=20.0),
                                 triton_prefill(q, k, v, is_causal=True, logits_soft_cap=20.0))
+
+
+@gpu
+@SM90_ONLY
+def test_vmap_over_a_leading_axis(rng):
+  """jax.vmap of jaxflash.attention (the Mosaic kernel under it) equals one call per slice."""
+  q, k, v = (jnp.stack(x) for x in zip(*(_qkv(rng, 2, 200, 200, 6, 2, 128, BF16) for _ in range(3))))
+  run = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True, implementation="mosaic")
+  got = jax.jit(jax.vmap(run))(q, k, v)
+  chex.assert_shape(got, q.shape)
+  for i in range(q.shape[0]):
+    np.testing.assert_array_equal(got[i], run(q[i], k[i], v[i]))
 
 
 # --------------------------------------------------------------------- no GPU needed
@@ -283,8 +319,6 @@ def test_off_the_gpu_it_raises_not_implemented():
     (MosaicPrefillConfig(64, 128, 8), ValueError, "shared memory"),
     (MosaicPrefillConfig(48, 64, 2), ValueError, "multiples of 64"),
     (MosaicPrefillConfig(64, 64, 0), ValueError, "num_stages"),
-    (MosaicPrefillConfig(64, 128, 2, named_schedule=True, persistent=True), ValueError,
-     "one CTA per tile"),
     (jaxflash.PrefillConfig(64, 64), TypeError, "MosaicPrefillConfig"),
 ])
 def test_bad_configs_are_refused(config, error, match):

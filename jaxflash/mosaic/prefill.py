@@ -76,8 +76,7 @@ class MosaicPrefillConfig:
   under which Pallas documents `unsafe_no_auto_barriers` as safe.
 
   `named_schedule`: the ping-pong on two hardware named barriers (bar.arrive on the other
-  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier; one CTA per tile
-  only.
+  consumer's, bar.sync on one's own) instead of one two-arrival mbarrier.
 
   `persistent`: one CTA per SM walks the query tiles (longest first, dealt out in a snake),
   its K/V ring running on from one tile into the next, instead of one CTA per tile."""
@@ -95,19 +94,19 @@ class MosaicPrefillConfig:
 
 
 C = MosaicPrefillConfig
-# Head-dim bucket -> candidates, best first; tuned on the H200 on 2026-12-01 with
-# bench/mosaic_sweep.py (B = 1, 12 / 2 heads, bf16, causal; TFLOP/s). d = 128, one CTA per
-# tile, at 8192 / 32768: 64x128x2 566 / 642, 64x128x3 558 / 573, 64x192x2 521 / 619,
-# 64x256x1 542 / 617, 64x64x2 479 / 560; d = 64 at 8192: 64x128x2 391, 64x128x4 388, 64x64x4
-# 328; d = 256 at 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. Then d = 128 in one run
-# (results/h200/mosaic_sweep_persistent.log): persistent 652 / 653 at 8192 / 32768 against
-# 625 / 637 per tile (taken for every head dim; with the named-barrier ping-pong 658 / 658,
-# which a persistent CTA cannot use: _check_config). block_q stays 64: one wgmma M tile per
-# consumer keeps its accumulator and score tile in registers.
+# Head-dim bucket -> candidates, best first; tuned on the H200 with bench/mosaic_sweep.py
+# (B = 1, 12 / 2 heads, bf16, causal; TFLOP/s). 2026-12-01, d = 128, one CTA per tile, at
+# 8192 / 32768: 64x128x2 566 / 642, 64x128x3 558 / 573, 64x192x2 521 / 619, 64x256x1 542 /
+# 617, 64x64x2 479 / 560; d = 64 at 8192: 64x128x2 391, 64x128x4 388, 64x64x4 328; d = 256 at
+# 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. 2026-12-02 in one run
+# (results/h200/mosaic_sweep_named_handoff.log), persistent with the mbarrier / named-barrier ping-pong: d =
+# 128 644 / 662 and 655 / 670 at 8192 / 32768 (one CTA per tile 628 / 663); d = 64 450 / 433
+# and d = 256 673 / 676 at 8192. block_q stays 64: one wgmma M tile per consumer keeps its
+# accumulator and score tile in registers.
 _CONFIGS = {
     64: [C(64, 128, 2, persistent=True), C(64, 64, 2, persistent=True)],
-    128: [C(64, 128, 2, persistent=True), C(64, 64, 2, persistent=True)],
-    256: [C(64, 64, 2, persistent=True), C(64, 64, 1, persistent=True)],
+    128: [C(64, 128, 2, named_schedule=True, persistent=True), C(64, 64, 2, persistent=True)],
+    256: [C(64, 64, 2, named_schedule=True, persistent=True), C(64, 64, 1, persistent=True)],
 }
 
 
@@ -135,10 +134,6 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
                      f"(wgmma tiles, 128-byte swizzle), got {config}")
   if config.num_stages < 1:
     raise ValueError(f"config.num_stages must be >= 1, got {config}")
-  if config.persistent and config.named_schedule:
-    raise ValueError(f"config.named_schedule runs one CTA per tile only (persistent=False), got "
-                     f"{config}: a hardware barrier counts arrivals, so a consumer that starts "
-                     "its next tile early could arrive twice in one hand-off")
   need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
   if need > info.smem_per_block:
     raise ValueError(f"{config} needs ~{need} bytes of shared memory for head_dim={head_dim}, over "
@@ -354,6 +349,13 @@ def _prefill_kernel(
       def _():
         plgpu.barrier_wait(k_ready.at[slot_of(cta_lo)])
 
+      if named_schedule:
+        # A hardware barrier only counts arrivals: had the first consumer run on into this
+        # tile, its first arrival on the second's barrier could join the last one of the tile
+        # before, both before the second synced, and complete it without the second. So from
+        # its second tile on, the first waits for the second's hand-off (below).
+        pl.when((wg == 0) & (round_ > 0))(lambda: _mosaic.named_barrier(
+            "sync", SCHEDULE_ID, 2 * WARPGROUP_THREADS))
       pl.when(wg == 1)(start_turn)  # the second consumer starts half a step behind
 
       def step(j, carry, *, masked: bool):
@@ -428,6 +430,11 @@ def _prefill_kernel(
       acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
       lax.fori_loop(hi, cta_hi, drain, None)
       pl.when(wg == 0)(end_turn)
+      next_item = item_of(round_ + 1)
+      if named_schedule:
+        # The hand-off: the second consumer has synced for the last time in this tile.
+        pl.when((wg == 1) & (next_item < num_items))(lambda: _mosaic.named_barrier(
+            "arrive", SCHEDULE_ID, 2 * WARPGROUP_THREADS))
 
       # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
       # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
@@ -442,7 +449,6 @@ def _prefill_kernel(
       plgpu.copy_smem_to_gmem(q_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_base, block_q)])
 
-      next_item = item_of(round_ + 1)
 
       @pl.when(next_item < num_items)
       def _():
