@@ -48,7 +48,7 @@ MAX_N_MATERIALIZED = 16384
 # ----------------------------------------------------------------------------- the contenders
 
 def jaxflash_fn(q, k, v, mask):
-  """What a user gets: jaxflash.attention's choice of kernel (the Mosaic prefill on sm_90+)."""
+  """What a user gets: jaxflash.attention's choice of kernel (the Mosaic prefill on sm_90)."""
   import jaxflash  # here: an import error is one cell's error
   del mask
   return jaxflash.attention(q, k, v, is_causal=True)

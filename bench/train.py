@@ -9,7 +9,7 @@ the backward. TFLOP/s count FLOPs as FlashAttention-2 does: the causal forward's
 
 Contenders: jaxflash (the Pallas-Triton forward and its FlashAttention-2 backward,
 jaxflash/prefill_backward.py), jaxflash_default (`jaxflash.attention`'s default path: on
-sm_90+ the Mosaic GPU forward with the same Triton backward), cuDNN
+sm_90 the Mosaic GPU forward with the same Triton backward), cuDNN
 (jax.nn, implementation="cudnn"), jax.nn "xla", JAX's Pallas `mha` with its own backward
 (no GQA: K/V repeated inside the call, so its dK/dV are reduced by XLA), and, when
 importable, FlashAttention-3 (flash_attn3_jax.flash_mha) and tokamax "mosaic". Also each
@@ -37,7 +37,7 @@ from bench.timing import Timing, device_times_us, free_memory, has_gpu, record_r
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
 IMPLS = ("jaxflash", "jaxflash_default", "cudnn", "fa3", "tokamax", "pallas_mha", "xla")
-LABELS = {"jaxflash": "jaxflash", "jaxflash_default": "jaxflash default (Mosaic fwd on sm_90+)",
+LABELS = {"jaxflash": "jaxflash", "jaxflash_default": "jaxflash default (Mosaic fwd on sm_90)",
           "cudnn": "cuDNN (jax.nn)", "fa3": "FlashAttention-3",
           "tokamax": "tokamax mosaic", "pallas_mha": "JAX Pallas mha", "xla": "jax.nn xla"}
 MAX_N_XLA = 16384  # jax.nn "xla" keeps the n x n probabilities for its backward
@@ -131,7 +131,7 @@ def bench_row(batch: int, n: int, ceiling: float | None, budget, impls=IMPLS) ->
 
 def add_ratios(row: dict) -> dict:
   """jaxflash's fwd+bwd over each peer's: `jf_over_<peer>` for jaxflash.attention's default
-  path (the Mosaic forward on sm_90+), or the Triton prefill where the default was not run."""
+  path (the Mosaic forward on sm_90), or the Triton prefill where the default was not run."""
   jf = row.get("jaxflash_default_tflops") or row.get("jaxflash_tflops")
   for other in ("cudnn", "pallas_mha", "fa3", "tokamax"):
     theirs = row.get(f"{other}_tflops")

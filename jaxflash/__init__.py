@@ -1,7 +1,7 @@
 """jaxflash: fast, exact attention for JAX on NVIDIA GPUs (Pallas, Triton lowering).
 
 Attention: `attention` (a drop-in for `jax.nn.dot_product_attention`), the kernels
-`prefill_attention` (Pallas-Triton, or Pallas Mosaic GPU on sm_90+), `decode_attention`,
+`prefill_attention` (Pallas-Triton, or Pallas Mosaic GPU on sm_90), `decode_attention`,
 `paged_decode_attention`, and `attention_reference`.
 Decode-step fusions for Llama / Qwen-style layers live in `jaxflash.fused` (their functions
 are re-exported here).

@@ -1,8 +1,8 @@
 """The one place that imports Pallas' Mosaic GPU backend.
 
 Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`) is the Pallas lowering that exposes
-Hopper's TMA copies, wgmma and warp specialisation; its kernels run on sm_90+ only. Its
-import is guarded: a JAX without it (or with a broken one) still imports jaxflash, and
+Hopper's TMA copies, wgmma and warp specialisation; the kernels here run on Hopper (sm_90)
+only. Its import is guarded: a JAX without it (or with a broken one) still imports jaxflash, and
 `AVAILABLE` is False with `IMPORT_ERROR` saying why, so the dispatch can fall back to the
 Pallas-Triton kernels and say so.
 
@@ -53,7 +53,9 @@ INTERPRET_GAPS = (
     "layout_cast has no CPU lowering, and a transposed SMEM operand (K^T) in wgmma fails "
     "('TransposeTransform' object has no attribute 'indices'). Use jaxflash.prefill_attention "
     "(Pallas-Triton, interpretable) off the GPU.")
-MIN_CAPABILITY = (9, 0)  # wgmma and TMA tensor copies: Hopper and later
+# wgmma is an sm_90a instruction: Hopper has it, Blackwell (sm_100 and up) does not (its tensor
+# cores take tcgen05 instructions), so the Mosaic kernels here serve compute capability 9.x.
+CAPABILITY_MAJOR = 9
 
 
 def named_barrier(operation: str, barrier_id, num_threads: int) -> None:
@@ -87,4 +89,4 @@ def interpret_params(interpret):
 
 
 __all__ = ["AVAILABLE", "IMPORT_ERROR", "pl", "plgpu", "InterpretGPUParams", "LOG2_E", "LN_2",
-           "MIN_CAPABILITY", "INTERPRET_GAPS", "named_barrier", "on_gpu", "interpret_params"]
+           "CAPABILITY_MAJOR", "INTERPRET_GAPS", "named_barrier", "on_gpu", "interpret_params"]

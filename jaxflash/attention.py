@@ -13,7 +13,7 @@ from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods
 
 # None: the best kernel for the device. "triton": the Pallas-Triton kernels ("pallas", the
-# older name, is an alias). "mosaic": the Pallas Mosaic GPU prefill (sm_90+). "xla":
+# older name, is an alias). "mosaic": the Pallas Mosaic GPU prefill (sm_90). "xla":
 # jaxflash's plain-JAX reference (every option). "cudnn": jax.nn.dot_product_attention's
 # cuDNN path (the options jax.nn has).
 IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic", "xla", "cudnn")
@@ -98,11 +98,11 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                       backward_config=None, interpret: bool | None = None):
   """The FlashAttention-2 prefill with its forward kernel chosen: the Pallas-Triton kernel
   (`jaxflash.prefill.prefill_attention`: every option, any GPU, interpreted off one) or the
-  Pallas Mosaic GPU kernel (`jaxflash.mosaic.prefill_attention`: sm_90+). Arguments, values
+  Pallas Mosaic GPU kernel (`jaxflash.mosaic.prefill_attention`: sm_90). Arguments, values
   and gradients are the Triton kernel's (the Triton backward differentiates either forward).
 
   implementation (`PREFILL_IMPLEMENTATIONS`): None picks the Mosaic kernel where
-  `jaxflash.attention` would (an sm_90+ GPU, bf16/fp16, the options it takes, a concrete
+  `jaxflash.attention` would (an sm_90 GPU, bf16/fp16, the options it takes, a concrete
   scale) and the Triton kernel otherwise; "triton" ("pallas") or "mosaic" forces one, and
   "mosaic" raises ValueError saying why where it cannot serve the call.
   config: a `PrefillConfig` (Triton tiles) or a `MosaicPrefillConfig`; given with
@@ -169,7 +169,7 @@ def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengt
                   block_table=None, bias=None, mask=None, sinks=None, *, scale=None,
                   mods: ScoreMods = ScoreMods(), forced: bool = False) -> str | None:
   """None when the Mosaic GPU prefill serves this call (what `implementation=None` then
-  picks on sm_90+), else why not: paged caches, one-token decode (unless `forced`), a traced
+  picks on sm_90), else why not: paged caches, one-token decode (unless `forced`), a traced
   scale, a top-left causal mask that differs from the bottom-right one the kernel computes,
   the options it lacks (`jaxflash.mosaic.supports`), or no Hopper GPU."""
   from jaxflash.mosaic import supports

@@ -26,7 +26,7 @@ def _mosaic_prefill_runs() -> bool:
 # Tests of the Mosaic GPU prefill's compiled kernel: on a GPU without it (before sm_90),
 # skipped with the reason.
 SM90_ONLY = pytest.mark.skipif(HAS_GPU and not _mosaic_prefill_runs(),
-                               reason="the Mosaic prefill needs an sm_90+ GPU")
+                               reason="the Mosaic prefill needs an sm_90 GPU")
 
 
 def _runs_here(item) -> bool:

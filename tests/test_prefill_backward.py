@@ -432,7 +432,7 @@ def test_the_forward_is_pluggable(rng):
 @pytest.mark.gpu
 @SM90_ONLY
 def test_mosaic_forward_is_differentiable(rng):
-  """On sm_90+: jax.grad through implementation="mosaic" (and the default path, which takes
+  """On sm_90: jax.grad through implementation="mosaic" (and the default path, which takes
   it) runs the Triton backward on the Mosaic forward's out and LSE; bf16 against float64."""
   b, t, n, kh, h = 2, 384, 8, 2, 128
   q, k, v, d_out = _inputs(rng, b, t, t, n, kh, h, BF16)

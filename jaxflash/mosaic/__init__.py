@@ -1,4 +1,4 @@
-"""Hopper (sm_90+) kernels in Pallas Mosaic GPU: TMA, wgmma and warp specialisation.
+"""Hopper (sm_90) kernels in Pallas Mosaic GPU: TMA, wgmma and warp specialisation.
 
 `prefill_attention` computes what `jaxflash.prefill_attention` computes; `supports` says
 whether it can serve a call (None) or why not (a string), for the dispatch in

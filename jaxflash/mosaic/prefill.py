@@ -13,9 +13,10 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
   a 64 x block_kv score tile each.
 * wgmma for both products: S = Q K^T from shared memory into float32 registers, O += P V
   with P (bf16/fp16) straight from registers.
-* Ping-pong. A two-arrival "schedule" barrier makes the two consumers take turns: while
-  one runs its softmax on the CUDA cores, the other's wgmma runs on the tensor cores
-  (FlashAttention-3, section 3.1, "pingpong scheduling").
+* Ping-pong. The two consumers take turns, on a pair of hardware named barriers (the
+  default for d = 128 and 256) or on one two-arrival mbarrier: while one runs its softmax
+  on the CUDA cores, the other's wgmma runs on the tensor cores (FlashAttention-3, section
+  3.1, "pingpong scheduling").
 * Online softmax in base 2 with the scale folded into one multiply-add (scores times
   scale * log2 e, minus the running max), exp2 lowered to ex2.approx; the output is divided
   by the running sum once, at the end (FlashAttention-2, section 3.1.1).
@@ -106,7 +107,7 @@ C = MosaicPrefillConfig
 _CONFIGS = {
     64: [C(64, 128, 2, persistent=True), C(64, 64, 2, persistent=True)],
     128: [C(64, 128, 2, named_schedule=True, persistent=True), C(64, 64, 2, persistent=True)],
-    256: [C(64, 64, 2, named_schedule=True, persistent=True), C(64, 64, 1, persistent=True)],
+    256: [C(64, 64, 2, named_schedule=True, persistent=True)],
 }
 
 
@@ -132,8 +133,14 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
   if config.block_q % 64 or config.block_kv % 64 or not config.block_q or not config.block_kv:
     raise ValueError(f"config.block_q and config.block_kv must be positive multiples of 64 "
                      f"(wgmma tiles, 128-byte swizzle), got {config}")
-  if config.num_stages < 1:
-    raise ValueError(f"config.num_stages must be >= 1, got {config}")
+  if config.num_stages < 2:
+    # One slot deadlocks: a consumer that drains a block it does not need waits for that
+    # block's V before its turn on the schedule, but with one slot that V is loaded only
+    # after the other consumer's PV of the block before, which waits for that very turn
+    # (hung in the compiled tests, 2026-12-02; bench/PERFORMANCE.md). Sequences of one key
+    # block still run with one slot, which never drains (the ring is never deeper than the
+    # keys).
+    raise ValueError(f"config.num_stages must be >= 2, got {config}")
   need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
   if need > info.smem_per_block:
     raise ValueError(f"{config} needs ~{need} bytes of shared memory for head_dim={head_dim}, over "
@@ -161,12 +168,12 @@ def supports(query, key, value, query_seq_lengths=None, key_value_seq_lengths=No
     return f"Pallas Mosaic GPU does not import in this JAX ({_mosaic.IMPORT_ERROR})"
   if info is None:
     if not _mosaic.on_gpu():
-      return "no GPU: the Mosaic GPU kernel runs compiled on sm_90+ only"
+      return "no GPU: the Mosaic GPU kernel runs compiled on sm_90 only"
     info = device_info()
-  if tuple(info.compute_capability) < _mosaic.MIN_CAPABILITY:
-    major, minor = info.compute_capability
-    return (f"{info.name} is sm_{major}{minor}; the Mosaic GPU kernel needs sm_90+ "
-            "(wgmma, TMA)")
+  major, minor = info.compute_capability
+  if major != _mosaic.CAPABILITY_MAJOR:
+    return (f"{info.name} is sm_{major}{minor}; the Mosaic GPU kernel needs Hopper, sm_90 "
+            "(wgmma, which later GPUs replace with tcgen05)")
   for name, default in _UNSUPPORTED_OPTIONS.items():
     value_ = options.get(name, default)
     if value_ is not None and not (isinstance(default, str) and value_ == default):
@@ -491,7 +498,7 @@ def _prefill_kernel(
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
                       scale=None, is_causal=False, local_window_size=None, return_residual=False,
                       config: MosaicPrefillConfig | None = None, interpret: bool | None = None):
-  """FlashAttention-3 style forward pass on sm_90+ (Pallas Mosaic GPU).
+  """FlashAttention-3 style forward pass on sm_90 (Pallas Mosaic GPU).
 
   query [B, T, N, H]; key, value [B, S, K, H] with N a multiple of K (query head n reads
   KV head n // (N // K)); bf16 or fp16, one dtype; H a multiple of 64 up to 256.
