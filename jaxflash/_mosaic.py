@@ -2,8 +2,8 @@
 
 Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`) is the Pallas lowering that exposes
 Hopper's TMA copies, wgmma and warp specialisation; the kernels here run on Hopper (sm_90)
-only. Its import is guarded: a JAX without it (or with a broken one) still imports jaxflash, and
-`AVAILABLE` is False with `IMPORT_ERROR` saying why, so the dispatch can fall back to the
+only. Its import is guarded: a JAX without it (or with a broken one) still imports jaxflash,
+and `AVAILABLE` is False with `IMPORT_ERROR` saying why, so the dispatch can fall back to the
 Pallas-Triton kernels and say so.
 
 GPU interpret mode (JAX >= 0.10.2): `InterpretGPUParams` simulates a Mosaic GPU kernel's

@@ -45,8 +45,9 @@ def _run(q, k, v, q_lengths=None, kv_lengths=None, **kwargs):
 
 # (batch, T, S, N, K, head_dim, dtype, causal, config): odd lengths, T < S and T > S, GQA
 # groups 1, 2, 3, 5, 6, 7, 8, every head dim (64, 128, 192, 256) and both dtypes.
-SMALL = MosaicPrefillConfig(64, 64, 2)  # one CTA per query tile, the mbarrier ping-pong
-NAMED = MosaicPrefillConfig(64, 128, 2, named_schedule=True, persistent=True)
+C = MosaicPrefillConfig
+SMALL = C(64, 64, 2)  # one CTA per query tile, the mbarrier ping-pong
+NAMED = C(64, 128, 2, named_schedule=True, persistent=True)
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -172,9 +173,6 @@ def test_scale_and_residual_off(rng):
   assert isinstance(out, jax.Array)
   ref, _ = attention_f64(q, k, v, scale=0.3, is_causal=True)
   assert_close(out, ref, BF16)
-
-
-C = MosaicPrefillConfig
 
 
 @gpu

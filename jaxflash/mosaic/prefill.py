@@ -100,10 +100,10 @@ C = MosaicPrefillConfig
 # 8192 / 32768: 64x128x2 566 / 642, 64x128x3 558 / 573, 64x192x2 521 / 619, 64x256x1 542 /
 # 617, 64x64x2 479 / 560; d = 64 at 8192: 64x128x2 391, 64x128x4 388, 64x64x4 328; d = 256 at
 # 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. 2026-12-02 in one run
-# (results/h200/mosaic_sweep_named_handoff.log), persistent with the mbarrier / named-barrier ping-pong: d =
-# 128 644 / 662 and 655 / 670 at 8192 / 32768 (one CTA per tile 628 / 663); d = 64 450 / 433
-# and d = 256 673 / 676 at 8192. block_q stays 64: one wgmma M tile per consumer keeps its
-# accumulator and score tile in registers.
+# (results/h200/mosaic_sweep_named_handoff.log), persistent with the mbarrier / named-barrier
+# ping-pong: d = 128 644 / 662 and 655 / 670 at 8192 / 32768 (one CTA per tile 628 / 663);
+# d = 64 450 / 433 and d = 256 673 / 676 at 8192. block_q stays 64: one wgmma M tile per
+# consumer keeps its accumulator and score tile in registers.
 _CONFIGS = {
     64: [C(64, 128, 2, persistent=True), C(64, 64, 2, persistent=True)],
     128: [C(64, 128, 2, named_schedule=True, persistent=True), C(64, 64, 2, persistent=True)],
@@ -316,9 +316,13 @@ def _prefill_kernel(
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     q_tile = q_smem.at[wg]
 
+    def first_row(tile):
+      """This consumer's first query row in a query tile."""
+      return tile * (NUM_CONSUMERS * block_q) + wg * block_q
+
     def load_q(item):
       batch, tile, head = tile_of(item)
-      q_rows = pl.ds(tile * (NUM_CONSUMERS * block_q) + wg * block_q, block_q)
+      q_rows = pl.ds(first_row(tile), block_q)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_tile, q_ready.at[wg])
 
     load_q(item_of(0))
@@ -334,7 +338,7 @@ def _prefill_kernel(
       barrier phase continue from there)."""
       item = item_of(round_)
       batch, tile, head = tile_of(item)
-      q_base = tile * (NUM_CONSUMERS * block_q) + wg * block_q
+      q_base = first_row(tile)
       cta_lo, cta_hi = cta_bounds(batch, tile)
       # Both consumers start at cta_lo, so that they step through the ring together; the
       # second's one block before its own window (at most) runs masked and adds nothing.
@@ -455,7 +459,6 @@ def _prefill_kernel(
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_base, block_q)])
-
 
       @pl.when(next_item < num_items)
       def _():
