@@ -10,6 +10,7 @@ jaxflash's Pallas-Triton prefill and cuDNN (jax.nn.dot_product_attention, "cudnn
                                                 #   and 256 at 8192), then the table
   python -m bench.mosaic_sweep --no-sweep --sizes 4096 16384
   python -m bench.mosaic_sweep --configs 64x128x2 64x128x3 64x128x2a   # a: auto_barriers
+                                                # (flags: parse_config)
 
 Writes mosaic_sweep.json to --out (default $OUT when set, else bench/results/h200) and
 prints a short table last.
@@ -36,20 +37,23 @@ HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_SIZES = (8192, 32768)
 SWEEP_CONFIGS = ("64x64x2", "64x64x4", "64x128x2", "64x128x2a", "64x128x2n", "64x128x3", "64x192x2",
-                 "64x256x1", "64x128x2p", "64x128x2np")
+                 "64x256x1", "64x128x2p", "64x128x2np", "64x128x2nps", "64x128x2npo", "64x128x2npos",
+                 "64x128x3npo", "64x192x2npo")
 # Other head dims, swept at 8192 only (their table rows in jaxflash/mosaic/prefill.py).
-HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2", "64x128x2p", "64x128x2np"),
-                  256: ("64x64x1", "64x64x2", "64x128x1", "64x64x2p", "64x64x2np")}
+HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2", "64x128x2p", "64x128x2np",
+                       "64x128x2ps", "64x128x2npo"),
+                  256: ("64x64x1", "64x64x2", "64x128x1", "64x64x2p", "64x64x2np", "64x64x2npo")}
 
 
 def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
   """'64x128x3' -> block_q 64, block_kv 128, 3 stages; a trailing 'a' turns Pallas' automatic
-  barriers on (the A/B of `auto_barriers`), a trailing 'n' the named-barrier ping-pong, a
-  trailing 'p' the persistent grid."""
+  barriers on (the A/B of `auto_barriers`), a trailing 'n' the named-barrier ping-pong, 'p'
+  the persistent grid, 'o' the intra-warpgroup overlap, 's' a separate output buffer."""
   flags = text.split("x")[-1].lstrip("0123456789")
-  block_q, block_kv, stages = (int(x.rstrip("anp")) for x in text.split("x"))
+  block_q, block_kv, stages = (int(x.rstrip("anops")) for x in text.split("x"))
   return mosaic.MosaicPrefillConfig(block_q, block_kv, stages, auto_barriers="a" in flags,
-                                    named_schedule="n" in flags, persistent="p" in flags)
+                                    named_schedule="n" in flags, persistent="p" in flags,
+                                    overlap_softmax="o" in flags, separate_output="s" in flags)
 
 
 def causal_flops(batch: int, n: int, head_dim: int = HEAD_DIM) -> float:

@@ -48,6 +48,8 @@ def _run(q, k, v, q_lengths=None, kv_lengths=None, **kwargs):
 C = MosaicPrefillConfig
 SMALL = C(64, 64, 2)  # one CTA per query tile, the mbarrier ping-pong
 NAMED = C(64, 128, 2, named_schedule=True, persistent=True)
+# The intra-warpgroup overlap, and an output buffer of its own.
+FAST = dataclasses.replace(NAMED, overlap_softmax=True, separate_output=True)
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -71,6 +73,11 @@ CASES = [
     (8, 120, 128, 64, 8, 64, F16, True, NAMED),
     (2, 1000, 1100, 12, 2, 128, BF16, True, dataclasses.replace(NAMED, named_schedule=False)),
     (1, 640, 640, 4, 1, 64, F16, True, NAMED),
+    (8, 120, 128, 64, 8, 64, F16, True, FAST),
+    (2, 1000, 1100, 12, 2, 128, BF16, True, dataclasses.replace(FAST, separate_output=False)),
+    (1, 129, 100, 6, 1, 128, F16, True, FAST),
+    (1, 33, 70, 7, 1, 128, BF16, False, dataclasses.replace(FAST, persistent=False)),
+    (1, 300, 257, 8, 1, 256, BF16, True, dataclasses.replace(FAST, block_kv=64, separate_output=False)),
 ]
 
 
@@ -83,7 +90,8 @@ def _case_id(case):
 def _config_id(config):
   if config is None:
     return "default"
-  flags = [name for name in ("auto_barriers", "named_schedule", "persistent") if getattr(config, name)]
+  flags = [name for name in ("auto_barriers", "named_schedule", "persistent", "overlap_softmax",
+                             "separate_output") if getattr(config, name)]
   return "x".join(map(str, (config.block_q, config.block_kv, config.num_stages, *flags)))
 
 
@@ -108,6 +116,7 @@ WINDOW_CASES = [
     (1, 400, 400, 7, 1, 256, F16, False, (100, 37), dataclasses.replace(NAMED, block_kv=64)),
     (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), None),  # persistent, ragged, 192 tiles
     (1, 1000, 1000, 8, 8, 128, BF16, False, (0, 300), None),  # keys ahead only
+    (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), dataclasses.replace(NAMED, separate_output=True)),
 ]
 
 
@@ -179,7 +188,9 @@ def test_scale_and_residual_off(rng):
 @SM90_ONLY
 @pytest.mark.parametrize("config", [
     C(64, 128, 2), C(64, 64, 4), C(64, 192, 2), C(64, 128, 2, auto_barriers=True),
-    C(64, 128, 2, named_schedule=True), NAMED, C(64, 128, 2, persistent=True),
+    C(64, 128, 2, named_schedule=True), NAMED, C(64, 128, 2, persistent=True), FAST,
+    dataclasses.replace(NAMED, overlap_softmax=True), dataclasses.replace(NAMED, separate_output=True),
+    C(64, 128, 2, separate_output=True), C(64, 64, 3, named_schedule=True, overlap_softmax=True),
 ], ids=_config_id)
 def test_configs(config, rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
@@ -337,8 +348,9 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
     prefill_attention(q, k, v)
 
 
-@pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (SMALL, None), (None, (70, 0))],
-                         ids=["default", "named", "per-tile", "window"])
+@pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (SMALL, None), (None, (70, 0)),
+                                           (FAST, (70, 0))],
+                         ids=["default", "named", "per-tile", "window", "registers-window"])
 @CPU_ONLY
 @NEEDS_MOSAIC
 def test_kernel_traces_on_this_jax(config, window, monkeypatch):

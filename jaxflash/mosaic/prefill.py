@@ -17,6 +17,12 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
   default for d = 128 and 256) or on one two-arrival mbarrier: while one runs its softmax
   on the CUDA cores, the other's wgmma runs on the tensor cores (FlashAttention-3, section
   3.1, "pingpong scheduling").
+* Intra-warpgroup overlap (section 3.2; default for d = 128 and 256): a consumer's turn
+  issues QK^T of block j together with PV of block j - 1, so its own softmax of block j
+  runs while that PV is still on the tensor cores. P is converted to bf16/fp16 only after
+  the PV wait: registers a running wgmma reads must not be written before it completes.
+* For d <= 128 the output tile has a shared-memory buffer of its own, so the next tile's
+  Q load is issued before this tile's epilogue instead of after its store.
 * Online softmax in base 2 with the scale folded into one multiply-add (scores times
   scale * log2 e, minus the running max), exp2 lowered to ex2.approx; the output is divided
   by the running sum once, at the end (FlashAttention-2, section 3.1.1).
@@ -80,7 +86,14 @@ class MosaicPrefillConfig:
   consumer's, bar.sync on one's own) instead of one two-arrival mbarrier.
 
   `persistent`: one CTA per SM walks the query tiles (longest first, dealt out in a snake),
-  its K/V ring running on from one tile into the next, instead of one CTA per tile."""
+  its K/V ring running on from one tile into the next, instead of one CTA per tile.
+
+  `overlap_softmax`: FlashAttention-3's intra-warpgroup overlap on top of the named-barrier
+  ping-pong: each turn on the tensor cores issues QK^T of block j and PV of block j - 1,
+  and the softmax of block j runs while that PV is still in flight.
+
+  `separate_output`: the output tile gets its own shared-memory buffer instead of reusing
+  the Q tile's, so the next tile's Q load is issued before this tile's epilogue."""
 
   block_q: int = 64
   block_kv: int = 128
@@ -88,10 +101,14 @@ class MosaicPrefillConfig:
   auto_barriers: bool = False
   named_schedule: bool = False
   persistent: bool = False
+  overlap_softmax: bool = False
+  separate_output: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    tiles = NUM_CONSUMERS * self.block_q + 2 * self.num_stages * self.block_kv
-    return itemsize * head_dim * tiles + 4 * NUM_CONSUMERS * self.block_q + SMEM_RESERVE
+    row_tiles = (1 + self.separate_output) * NUM_CONSUMERS * self.block_q
+    tiles = row_tiles + 2 * self.num_stages * self.block_kv
+    lse = 4 * NUM_CONSUMERS * self.block_q
+    return itemsize * head_dim * tiles + lse + SMEM_RESERVE
 
 
 C = MosaicPrefillConfig
@@ -99,15 +116,24 @@ C = MosaicPrefillConfig
 # (B = 1, 12 / 2 heads, bf16, causal; TFLOP/s). 2026-12-01, d = 128, one CTA per tile, at
 # 8192 / 32768: 64x128x2 566 / 642, 64x128x3 558 / 573, 64x192x2 521 / 619, 64x256x1 542 /
 # 617, 64x64x2 479 / 560; d = 64 at 8192: 64x128x2 391, 64x128x4 388, 64x64x4 328; d = 256 at
-# 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. 2026-12-02 in one run
-# (results/h200/mosaic_sweep_named_handoff.log), persistent with the mbarrier / named-barrier
-# ping-pong: d = 128 644 / 662 and 655 / 670 at 8192 / 32768 (one CTA per tile 628 / 663);
-# d = 64 450 / 433 and d = 256 673 / 676 at 8192. block_q stays 64: one wgmma M tile per
-# consumer keeps its accumulator and score tile in registers.
+# 8192: 64x64x2 607, 64x128x1 595, 64x64x1 567. 2026-12-02, persistent, in one run
+# (results/h200/mosaic_sweep_named_handoff.log), the mbarrier / named-barrier ping-pong: d = 128
+# 644 / 662 and 655 / 670 at 8192 / 32768; d = 64 450 / 433 and d = 256 673 / 676 at 8192.
+# 2026-12-02 (results/h200/mosaic_sweep_overlap.log), named ping-pong alone / with the
+# separate output buffer / with the intra-warpgroup overlap / with both, at 8192 / 16384 /
+# 32768: d = 128 663 / 680 / 654, 671 / 685 / 659, 664 / 685 / 662, 673 / 696 / 671 (64x128x3
+# with the overlap 699 / 675 at 16384 / 32768 against 710 / 687 for 64x128x2 with both;
+# 64x192x2 with the overlap spills, 431); d = 256 at 8192 682 against 697 with the overlap; d
+# = 64 at 8192 448 (mbarrier) against 440 with the separate buffer and 418 / 412 with the
+# overlap. block_q stays 64: one wgmma M tile per consumer keeps its accumulator and score
+# tile in registers.
 _CONFIGS = {
     64: [C(64, 128, 2, persistent=True), C(64, 64, 2, persistent=True)],
-    128: [C(64, 128, 2, named_schedule=True, persistent=True), C(64, 64, 2, persistent=True)],
-    256: [C(64, 64, 2, named_schedule=True, persistent=True)],
+    128: [C(64, 128, 2, named_schedule=True, persistent=True, overlap_softmax=True,
+            separate_output=True),
+          C(64, 128, 2, named_schedule=True, persistent=True, overlap_softmax=True),
+          C(64, 64, 2, persistent=True)],
+    256: [C(64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=True)],
 }
 
 
@@ -141,6 +167,9 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
     # block still run with one slot, which never drains (the ring is never deeper than the
     # keys).
     raise ValueError(f"config.num_stages must be >= 2, got {config}")
+  if config.overlap_softmax and not config.named_schedule:
+    raise ValueError(f"config.overlap_softmax needs config.named_schedule (its turns are taken on "
+                     f"the named barriers), got {config}")
   need = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
   if need > info.smem_per_block:
     raise ValueError(f"{config} needs ~{need} bytes of shared memory for head_dim={head_dim}, over "
@@ -212,7 +241,8 @@ def _prefill_kernel(
     v_ref,  # [B, S_pad, K, H] GMEM
     o_ref,  # [B, T_pad, N, H] GMEM
     lse_ref,  # [B, N, T_pad] float32 GMEM: natural-log LSE (seq minor: 1-D TMA stores)
-    q_smem,  # [2, block_q, H] SMEM: each consumer's Q tile, reused for its output tile
+    io_smem,  # ([2, block_q, H],) or twice that, SMEM: each consumer's Q tile, and its
+              # output tile (the Q tile's buffer again, unless separate_output)
     k_smem,  # [stages, block_kv, H] SMEM ring
     v_smem,  # [stages, block_kv, H] SMEM ring
     lse_smem,  # [2, block_q] float32 SMEM
@@ -234,8 +264,11 @@ def _prefill_kernel(
     num_ctas: int,
     group: int,
     named_schedule: bool,
+    overlap_softmax: bool,
 ):
   dtype = q_ref.dtype
+  q_smem, o_smem = io_smem if len(io_smem) == 2 else (io_smem[0], io_smem[0])
+  separate_output = len(io_smem) == 2
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
   # A CTA serves items item_of(0), item_of(1), ...: all CTAs but the last round's extras
@@ -314,7 +347,7 @@ def _prefill_kernel(
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    q_tile = q_smem.at[wg]
+    q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
 
     def first_row(tile):
       """This consumer's first query row in a query tile."""
@@ -332,6 +365,8 @@ def _prefill_kernel(
 
     def rows_bcast(x, shape):
       return lax.broadcast_in_dim(x, shape, [0])
+
+    zero_scores = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
 
     def attend(round_, ring):
       """One query tile. `ring`: key blocks this CTA consumed before it (ring slot and
@@ -356,30 +391,25 @@ def _prefill_kernel(
       l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
       acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
-      @pl.when(hi > cta_lo)
-      def _():
-        plgpu.barrier_wait(k_ready.at[slot_of(cta_lo)])
+      if overlap_softmax:
+        pass  # every turn waits for its own blocks
+      else:
+        @pl.when(hi > cta_lo)
+        def _():
+          plgpu.barrier_wait(k_ready.at[slot_of(cta_lo)])
 
-      if named_schedule:
-        # A hardware barrier only counts arrivals: had the first consumer run on into this
-        # tile, its first arrival on the second's barrier could join the last one of the tile
-        # before, both before the second synced, and complete it without the second. So from
-        # its second tile on, the first waits for the second's hand-off (below).
-        pl.when((wg == 0) & (round_ > 0))(lambda: _mosaic.named_barrier(
-            "sync", SCHEDULE_ID, 2 * WARPGROUP_THREADS))
-      pl.when(wg == 1)(start_turn)  # the second consumer starts half a step behind
+        if named_schedule:
+          # A hardware barrier only counts arrivals: had the first consumer run on into this
+          # tile, its first arrival on the second's barrier could join the last one of the
+          # tile before, both before the second synced, and complete it without the second.
+          # So from its second tile on, the first waits for the second's hand-off (below).
+          pl.when((wg == 0) & (round_ > 0))(lambda: _mosaic.named_barrier(
+              "sync", SCHEDULE_ID, 2 * WARPGROUP_THREADS))
+        pl.when(wg == 1)(start_turn)  # the second consumer starts half a step behind
 
-      def step(j, carry, *, masked: bool):
-        acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
-        slot = slot_of(j)
-
-        def qk(s_ref):
-          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-          issued()  # our QK^T is issued: the other consumer may run its PV
-          return s_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [block_q, block_kv]
-        plgpu.barrier_arrive(k_free.at[slot])
+      def softmax(s, m_i, l_i, j, *, masked: bool):
+        """Scores s [block_q, block_kv] of key block j -> (P float32, the new running max,
+        alpha that rescales what was summed before, the new running sum)."""
         if masked:
           # Key s is visible to row r (at position p = q_base + r + shift) when s < kv_valid
           # and p - left <= s <= p + right: one or two compares per score.
@@ -399,8 +429,21 @@ def _prefill_kernel(
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_safe)
         p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
+        return p, m_new, alpha, l_i * alpha + p.sum(axis=1)
+
+      def step(j, carry, *, masked: bool):
+        acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
+        slot = slot_of(j)
+
+        def qk(s_ref):
+          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+          issued()  # our QK^T is issued: the other consumer may run its PV
+          return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [block_q, block_kv]
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, m_new, alpha, l_i = softmax(s, m_i, l_i, j, masked=masked)
         acc = acc * rows_bcast(alpha, acc.shape)
-        l_i = l_i * alpha + p.sum(axis=1)
         p_tile = p.astype(dtype)
         # Keep the softmax before the barrier (the order decides the overlap).
         acc, l_i, m_new, p_tile = lax.optimization_barrier((acc, l_i, m_new, p_tile))
@@ -417,6 +460,70 @@ def _prefill_kernel(
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
+      # overlap_softmax (FlashAttention-3, section 3.2): a turn on the tensor cores issues
+      # QK^T of block j and PV of block j - 1, and the softmax of block j runs while that PV
+      # is in flight. Each consumer takes cta_hi - cta_lo + 1 turns per tile: block cta_lo's
+      # QK^T, one per later block, the last block's PV, one per drained block (and one
+      # empty turn when it has no block of its own).
+      def first_block(_, carry):
+        acc, m_i, l_i, _ = carry
+        slot = slot_of(cta_lo)
+        plgpu.barrier_wait(k_ready.at[slot])
+        acquire()
+
+        def qk(s_ref):
+          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+          release()
+          return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, m_i, _, l_i = softmax(s, m_i, l_i, cta_lo, masked=True)  # acc is zero: no rescale
+        return acc, m_i, l_i, p.astype(dtype)
+
+      def overlapped_step(j, carry, *, masked: bool):
+        acc, m_i, l_i, p_prev = carry  # p_prev [block_q, block_kv]: P of block j - 1
+        slot, prev = slot_of(j), slot_of(j - 1)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
+        acquire()
+
+        def body(refs):
+          acc_ref, s_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+          plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
+          release()
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T landed, PV may still run
+          plgpu.barrier_arrive(k_free.at[slot])
+          # P stays float32 here: registers that the running PV reads (p_prev) must not be
+          # written before it completes, so P is converted after the wait, as in
+          # FlashAttention-3. The barrier keeps the softmax ahead of that wait.
+          p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
+              softmax(s, m_i, l_i, j, masked=masked))
+
+        acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
+            (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_i, m_i))
+        plgpu.barrier_arrive(v_free.at[prev])
+        return acc * rows_bcast(alpha, acc.shape), m_new, l_new, p.astype(dtype)
+
+      def last_pv(_, carry):
+        acc, m_i, l_i, p = carry
+        slot = slot_of(hi - 1)
+        plgpu.barrier_wait(v_ready.at[slot])
+        acquire()
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          release()
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_i, l_i, p
+
+      def empty_turn():
+        acquire()
+        release()
+
       def drain(j, _):
         # Blocks the other consumer still needs: wait for them too (each barrier's phase is
         # tracked per consumer and must stay in step for the next tile), release them, and
@@ -426,48 +533,81 @@ def _prefill_kernel(
         plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
-        issued()
-        if named_schedule:
+        if overlap_softmax:
+          empty_turn()
+        elif named_schedule:
+          issued()
           acquire()
         else:
+          issued()
           issued()
 
       # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, the diagonal or
       # the end of the keys and run masked; every row sees all of [full_lo, full_hi).
-      carry = (acc, m_i, l_i)
-      if mods.left is not None:
-        carry = lax.fori_loop(cta_lo, full_lo, functools.partial(step, masked=True), carry)
-      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-      acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+      if overlap_softmax:
+        has_blocks = (hi > cta_lo).astype(jnp.int32)
+        pl.when(hi == cta_lo)(empty_turn)
+        p0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), plgpu.Layout.WGMMA)
+        carry = lax.fori_loop(0, has_blocks, first_block, (acc, m_i, l_i, p0))
+        start = cta_lo + 1  # block cta_lo ran masked in first_block
+        if mods.left is not None:
+          carry = lax.fori_loop(start, jnp.maximum(full_lo, start),
+                                functools.partial(overlapped_step, masked=True), carry)
+        carry = lax.fori_loop(jnp.maximum(full_lo, start), jnp.maximum(full_hi, start),
+                              functools.partial(overlapped_step, masked=False), carry)
+        carry = lax.fori_loop(jnp.maximum(full_hi, start), hi,
+                              functools.partial(overlapped_step, masked=True), carry)
+        acc, m_i, l_i, _ = lax.fori_loop(0, has_blocks, last_pv, carry)
+      else:
+        carry = (acc, m_i, l_i)
+        if mods.left is not None:
+          carry = lax.fori_loop(cta_lo, full_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
       lax.fori_loop(hi, cta_hi, drain, None)
-      pl.when(wg == 0)(end_turn)
       next_item = item_of(round_ + 1)
-      if named_schedule:
-        # The hand-off: the second consumer has synced for the last time in this tile.
-        pl.when((wg == 1) & (next_item < num_items))(lambda: _mosaic.named_barrier(
-            "arrive", SCHEDULE_ID, 2 * WARPGROUP_THREADS))
+      if not overlap_softmax:
+        pl.when(wg == 0)(end_turn)
+        if named_schedule:
+          # The hand-off: the second consumer has synced for the last time in this tile.
+          pl.when((wg == 1) & (next_item < num_items))(lambda: _mosaic.named_barrier(
+              "arrive", SCHEDULE_ID, 2 * WARPGROUP_THREADS))
 
+      if separate_output:
+        # Every QK^T of this tile has been waited for: the Q buffer is free already.
+        pl.when(next_item < num_items)(lambda: load_q(next_item))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read
+                                                         # the output buffers
       # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
       # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
       attended = l_i > 0.0
       inv_l = 1.0 / jnp.where(attended, l_i, 1.0)
       shape = (block_q, head_dim)
       keep = (iota(shape, 0) < q_valid - q_base) & rows_bcast(attended, shape)
-      q_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(dtype)
+      o_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(dtype)
       # m and log2(l) are base 2: ln 2 converts back to the natural-log LSE.
       lse_smem[wg] = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_i, 1.0)), -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
+      plgpu.copy_smem_to_gmem(o_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_base, block_q)])
 
-      @pl.when(next_item < num_items)
-      def _():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffers
-        load_q(next_item)
+      if not separate_output:
+        @pl.when(next_item < num_items)
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffers
+          load_q(next_item)
 
       return ring + (cta_hi - cta_lo)
 
+    if overlap_softmax:
+      # Turns alternate strictly (first, second, first, ...) across tiles: the second
+      # consumer lets the first take the first turn, and the first absorbs the second's last
+      # release at the end. (A hardware barrier only counts arrivals: strict alternation is
+      # what keeps two arrivals of one consumer from completing the other's barrier.)
+      pl.when(wg == 1)(release)
     lax.fori_loop(0, num_rounds_here, attend, jnp.int32(0))
+    if overlap_softmax:
+      pl.when(wg == 0)(acquire)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when(wg == NUM_CONSUMERS)
@@ -577,13 +717,15 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       _prefill_kernel, qk_scale=scale * LOG2_E, mods=mods, block_q=block_q,
       block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
       num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
-      group=num_heads // num_kv_heads, named_schedule=config.named_schedule)
+      group=num_heads // num_kv_heads, named_schedule=config.named_schedule,
+      overlap_softmax=config.overlap_softmax)
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
                               plgpu.SwizzleTransform(SWIZZLE_BYTES)))
+  row_tile = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), query.dtype, **swizzled)
   scratch = [
-      plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), query.dtype, **swizzled),
+      (row_tile, row_tile) if config.separate_output else (row_tile,),
       plgpu.SMEM((num_stages, block_kv, head_dim), key.dtype, **swizzled),
       plgpu.SMEM((num_stages, block_kv, head_dim), value.dtype, **swizzled),
       plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
