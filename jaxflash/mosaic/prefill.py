@@ -391,9 +391,7 @@ def _prefill_kernel(
       l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
       acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
-      if overlap_softmax:
-        pass  # every turn waits for its own blocks
-      else:
+      if not overlap_softmax:  # (with the overlap, each turn waits for its own blocks)
         @pl.when(hi > cta_lo)
         def _():
           plgpu.barrier_wait(k_ready.at[slot_of(cta_lo)])
