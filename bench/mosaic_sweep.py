@@ -48,14 +48,12 @@ HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2", "64x128x2p
 def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
   """'64x128x3' -> block_q 64, block_kv 128, 3 stages; a trailing 'a' turns Pallas' automatic
   barriers on (the A/B of `auto_barriers`), a trailing 'n' the named-barrier ping-pong, 'p'
-  the persistent grid, 'o' the intra-warpgroup overlap, 's' a separate output buffer, 'h' heads
-  paired on a cluster."""
+  the persistent grid, 'o' the intra-warpgroup overlap, 's' a separate output buffer."""
   flags = text.split("x")[-1].lstrip("0123456789")
-  block_q, block_kv, stages = (int(x.rstrip("anopsh")) for x in text.split("x"))
+  block_q, block_kv, stages = (int(x.rstrip("anops")) for x in text.split("x"))
   return mosaic.MosaicPrefillConfig(block_q, block_kv, stages, auto_barriers="a" in flags,
                                     named_schedule="n" in flags, persistent="p" in flags,
-                                    overlap_softmax="o" in flags, separate_output="s" in flags,
-                                    pair_heads="h" in flags)
+                                    overlap_softmax="o" in flags, separate_output="s" in flags)
 
 
 def causal_flops(batch: int, n: int, head_dim: int = HEAD_DIM) -> float:

@@ -50,8 +50,6 @@ SMALL = C(64, 64, 2)  # one CTA per query tile, the mbarrier ping-pong
 NAMED = C(64, 128, 2, named_schedule=True, persistent=True)
 # The intra-warpgroup overlap, and an output buffer of its own.
 FAST = dataclasses.replace(NAMED, overlap_softmax=True, separate_output=True)
-# Two CTAs of a cluster on two heads of one KV head, K/V multicast (even GQA groups only).
-PAIRED = dataclasses.replace(FAST, pair_heads=True)
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -80,13 +78,6 @@ CASES = [
     (1, 129, 100, 6, 1, 128, F16, True, FAST),
     (1, 33, 70, 7, 1, 128, BF16, False, dataclasses.replace(FAST, persistent=False)),
     (1, 300, 257, 8, 1, 256, BF16, True, dataclasses.replace(FAST, block_kv=64, separate_output=False)),
-    (2, 1000, 1100, 12, 2, 128, BF16, True, PAIRED),  # group 6: paired
-    (1, 129, 100, 6, 3, 128, F16, True, PAIRED),  # group 2, T > S
-    (2, 100, 129, 5, 1, 128, F16, True, PAIRED),  # group 5: runs unpaired
-    (8, 120, 128, 64, 8, 64, F16, True, dataclasses.replace(PAIRED, overlap_softmax=False,
-                                                            named_schedule=False)),
-    (1, 300, 257, 8, 2, 256, BF16, True, dataclasses.replace(PAIRED, block_kv=64, separate_output=False)),
-    (1, 33, 70, 8, 2, 128, BF16, False, dataclasses.replace(PAIRED, persistent=False)),
 ]
 
 
@@ -100,7 +91,7 @@ def _config_id(config):
   if config is None:
     return "default"
   flags = [name for name in ("auto_barriers", "named_schedule", "persistent", "overlap_softmax",
-                             "separate_output", "pair_heads") if getattr(config, name)]
+                             "separate_output") if getattr(config, name)]
   return "x".join(map(str, (config.block_q, config.block_kv, config.num_stages, *flags)))
 
 
@@ -126,7 +117,6 @@ WINDOW_CASES = [
     (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), None),  # persistent, ragged, 192 tiles
     (1, 1000, 1000, 8, 8, 128, BF16, False, (0, 300), None),  # keys ahead only
     (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), dataclasses.replace(NAMED, separate_output=True)),
-    (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), PAIRED),
 ]
 
 

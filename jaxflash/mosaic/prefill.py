@@ -93,11 +93,7 @@ class MosaicPrefillConfig:
   and the softmax of block j runs while that PV is still in flight.
 
   `separate_output`: the output tile gets its own shared-memory buffer instead of reusing
-  the Q tile's, so the next tile's Q load is issued before this tile's epilogue.
-
-  `pair_heads`: two CTAs of a cluster serve the same query tile of two query heads that
-  share a KV head (GQA groups of even size; other calls run unpaired): each loads half of
-  every K/V tile and TMA multicasts it to both, halving what the ring reads from L2."""
+  the Q tile's, so the next tile's Q load is issued before this tile's epilogue."""
 
   block_q: int = 64
   block_kv: int = 128
@@ -107,7 +103,6 @@ class MosaicPrefillConfig:
   persistent: bool = False
   overlap_softmax: bool = False
   separate_output: bool = False
-  pair_heads: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     row_tiles = (1 + self.separate_output) * NUM_CONSUMERS * self.block_q
@@ -255,7 +250,6 @@ def _prefill_kernel(
     q_ready,  # [2] barriers: a consumer's Q tile landed
     k_free, v_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     schedule,  # barrier, 2 arrivals: the consumers' ping-pong
-    done,  # () or, paired, (cluster barrier: all four consumers of the pair are done,)
     *,
     qk_scale: float,
     mods: ScoreMods,
@@ -271,7 +265,6 @@ def _prefill_kernel(
     group: int,
     named_schedule: bool,
     overlap_softmax: bool,
-    pair: bool,
 ):
   dtype = q_ref.dtype
   q_smem, o_smem = io_smem if len(io_smem) == 2 else (io_smem[0], io_smem[0])
@@ -279,18 +272,15 @@ def _prefill_kernel(
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
   # A CTA serves items item_of(0), item_of(1), ...: all CTAs but the last round's extras
-  # serve num_rounds of them. Paired, grid index g is a cluster of two CTAs, and a unit of
-  # work is two items (heads 2h and 2h + 1, the rest alike).
+  # serve num_rounds of them.
   num_items = num_heads * batch_size * num_q_tiles
-  per_unit = 2 if pair else 1
-  num_rounds = -(-(num_items // per_unit) // num_ctas)
+  num_rounds = -(-num_items // num_ctas)
 
   def item_of(round_):
-    """This CTA's work item in a round: the grid deals the units out in a snake (0 .. G - 1,
-    then G - 1 .. 0), so that the longest-first order evens out over the rounds."""
-    g = lax.axis_index("cta")
-    unit = round_ * num_ctas + jnp.where(lax.rem(round_, 2) == 0, g, num_ctas - 1 - g)
-    return unit * 2 + lax.axis_index("cluster") if pair else unit
+    """This CTA's work item in a round: CTAs deal the items out in a snake (0 .. G - 1, then
+    G - 1 .. 0), so that the longest-first order evens out over the rounds."""
+    cta = lax.axis_index("cta")
+    return round_ * num_ctas + jnp.where(lax.rem(round_, 2) == 0, cta, num_ctas - 1 - cta)
 
   num_rounds_here = num_rounds - 1 + (item_of(num_rounds - 1) < num_items).astype(jnp.int32)
 
@@ -617,11 +607,6 @@ def _prefill_kernel(
     if overlap_softmax:
       pl.when(wg == 0)(acquire)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if pair:
-      # The other CTA's consumers still arrive on this CTA's "free" barriers: stay resident
-      # until all four have finished.
-      plgpu.barrier_arrive(done[0])
-      plgpu.barrier_wait(done[0])
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
@@ -638,13 +623,10 @@ def _prefill_kernel(
         # load num_stages before it (the first num_stages loads find it empty).
         load, slot = ring + j, lax.rem(ring + j, num_stages)
         rows = (batch, pl.ds((cta_lo + j) * block_kv, block_kv), kv_head)
-        # Paired, each CTA loads half the tile and multicasts it to both: a slot is free
-        # once all four consumers of the pair released it.
-        multicast = dict(collective_axes="cluster") if pair else {}
         pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot], **multicast)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
         pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot], **multicast)
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
       return ring + (cta_hi - cta_lo)
 
@@ -723,13 +705,9 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   num_q_tiles = seq_q_pad // q_rows
   num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
   num_items = num_heads * batch * num_q_tiles
-  group = num_heads // num_kv_heads
-  pair = config.pair_heads and group % 2 == 0  # heads 2h and 2h + 1 share a KV head
-  cluster = 2 if pair else 1
   # Persistent: one CTA per SM (its registers hold no second one) walks the items; else one
-  # CTA per item, launched longest first. Paired, the grid counts clusters of two CTAs.
-  num_units = num_items // cluster
-  num_ctas = min(info.sm_count // cluster, num_units) if config.persistent else num_units
+  # CTA per item, launched longest first.
+  num_ctas = min(info.sm_count, num_items) if config.persistent else num_items
 
   if _mosaic.interpret_params(interpret) is not None:
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
@@ -737,17 +715,12 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       _prefill_kernel, qk_scale=scale * LOG2_E, mods=mods, block_q=block_q,
       block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
       num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
-      group=group, named_schedule=config.named_schedule,
-      overlap_softmax=config.overlap_softmax, pair=pair)
+      group=num_heads // num_kv_heads, named_schedule=config.named_schedule,
+      overlap_softmax=config.overlap_softmax)
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
                               plgpu.SwizzleTransform(SWIZZLE_BYTES)))
-  if pair:  # both CTAs' consumers arrive on each CTA's "free" barriers
-    free_barriers = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=NUM_CONSUMERS,
-                                         num_barriers=num_stages)
-  else:
-    free_barriers = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages)
   row_tile = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), query.dtype, **swizzled)
   scratch = [
       (row_tile, row_tile) if config.separate_output else (row_tile,),
@@ -757,10 +730,9 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       plgpu.Barrier(num_barriers=num_stages),
       plgpu.Barrier(num_barriers=num_stages),
       plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-      free_barriers,
-      free_barriers,
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
-      (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=NUM_CONSUMERS),) if pair else (),
   ]
   out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
               jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
@@ -770,8 +742,6 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       scratch_types=scratch,
       grid=(num_ctas,),
       grid_names=("cta",),
-      cluster=(cluster,) if pair else (),
-      cluster_names=("cluster",) if pair else (),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       # approx_math: exp2 is one ex2.approx; the row max and sum of a wgmma tile stay within
