@@ -350,7 +350,7 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
 
 @pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (SMALL, None), (None, (70, 0)),
                                            (FAST, (70, 0))],
-                         ids=["default", "named", "per-tile", "window", "registers-window"])
+                         ids=["default", "named", "per-tile", "window", "overlap-window"])
 @CPU_ONLY
 @NEEDS_MOSAIC
 def test_kernel_traces_on_this_jax(config, window, monkeypatch):
