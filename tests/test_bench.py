@@ -191,7 +191,7 @@ def test_shared_options_and_time_limit():
   assert not cli.TimeLimit(60.0).exhausted() and cli.TimeLimit(-1.0).exhausted()
 
 
-@pytest.mark.parametrize("script", ["prefill", "decode", "generate", "generate_tp", "profile_step"])
+@pytest.mark.parametrize("script", ["prefill", "decode", "generate", "generate_tp", "profile_step", "power"])
 def test_scripts_import_as_modules(script):
   """Every benchmark runs as `python -m bench.<script>`, without editing sys.path."""
   import sys
