@@ -3,7 +3,7 @@
 Each workload runs its call back to back for a few seconds while nvidia-smi samples the SM
 clock, the power draw and the active clock-event reasons every 0.1 s (the first samples,
 before the clock settles, are dropped). Its TFLOP/s come from device time in the same
-process (bench/timing.py), and the dense bf16 peak at the median clock is SMs x FLOP per SM
+process, measured just before the loop (bench/timing.py), and the dense bf16 peak at the median clock is SMs x FLOP per SM
 per cycle x clock (4096 on sm_90: wgmma's dense bf16 rate), so `fraction of clock peak` says
 how busy the tensor cores are at the clock the power cap leaves.
 
