@@ -429,18 +429,22 @@ def _prefill_kernel(
         p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
         return p, m_new, alpha, l_i * alpha + p.sum(axis=1)
 
+      def scores(slot):
+        """S = Q K^T [block_q, block_kv] float32 of the key block in `slot`, which is then
+        released; the other consumer may run its PV as soon as the QK^T is issued."""
+        def qk(s_ref):
+          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+          issued()
+          return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        return s
+
       def step(j, carry, *, masked: bool):
         acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
         slot = slot_of(j)
-
-        def qk(s_ref):
-          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-          issued()  # our QK^T is issued: the other consumer may run its PV
-          return s_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [block_q, block_kv]
-        plgpu.barrier_arrive(k_free.at[slot])
-        p, m_new, alpha, l_i = softmax(s, m_i, l_i, j, masked=masked)
+        p, m_new, alpha, l_i = softmax(scores(slot), m_i, l_i, j, masked=masked)
         acc = acc * rows_bcast(alpha, acc.shape)
         p_tile = p.astype(dtype)
         # Keep the softmax before the barrier (the order decides the overlap).
@@ -468,15 +472,8 @@ def _prefill_kernel(
         slot = slot_of(cta_lo)
         plgpu.barrier_wait(k_ready.at[slot])
         acquire()
-
-        def qk(s_ref):
-          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-          release()
-          return s_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        p, m_i, _, l_i = softmax(s, m_i, l_i, cta_lo, masked=True)  # acc is zero: no rescale
+        # acc is still zero: nothing to rescale. (issued() is release() on named barriers.)
+        p, m_i, _, l_i = softmax(scores(slot), m_i, l_i, cta_lo, masked=True)
         return acc, m_i, l_i, p.astype(dtype)
 
       def overlapped_step(j, carry, *, masked: bool):
