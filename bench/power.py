@@ -27,10 +27,10 @@ import jax.numpy as jnp
 
 from bench import peers
 from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.prefill import HEAD_DIM, NUM_HEADS, make_inputs
 from bench.report import write_results
 from bench.timing import device_times_us, free_memory, try_call
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 FLOP_PER_SM_CYCLE = {9: 4096}  # dense bf16 per SM per cycle, by compute capability major
 SAMPLE_S, SETTLE_SAMPLES = 0.1, 5
 FIELDS = ("clocks.sm", "power.draw", "power.limit", "clocks_event_reasons.active", "temperature.gpu")
@@ -72,14 +72,6 @@ def under_load(fn, args, seconds: float) -> dict:
   return row
 
 
-def prefill_inputs(n: int):
-  keys = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(keys[0], (1, n, NUM_HEADS, HEAD_DIM), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, n, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, n, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
-  return q, k, v
-
-
 def jaxflash_prefill(q, k, v):
   import jaxflash  # here: an import error is one row's error
   return jaxflash.attention(q, k, v, is_causal=True)
@@ -93,7 +85,7 @@ def workloads(smoke: bool, quick: bool):
   contenders = {"jaxflash": jaxflash_prefill, "tokamax": peers.tokamax_attention,
                 "fa3": peers.fa3_attention}
   for n in ((128,) if smoke else (16384,) if quick else (16384, 32768)):
-    args = prefill_inputs(n)
+    args = make_inputs(1, n)
     for name, fn in contenders.items():
       cases[f"{name} n={n}"] = (jax.jit(fn), args, 4.0 * n * n * HEAD_DIM * NUM_HEADS / 2)
   return cases
