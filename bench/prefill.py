@@ -126,11 +126,11 @@ CONTENDERS = {"jaxflash": jaxflash_fn, "jaxflash_triton": jaxflash_triton_fn(),
 
 # ----------------------------------------------------------------------------- inputs
 
-def make_inputs(batch: int, n: int, seed: int = 0):
+def make_inputs(batch: int, n: int, seed: int = 0, head_dim: int = HEAD_DIM):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(kq, (batch, n, NUM_HEADS, HEAD_DIM), DTYPE)
-  k = jax.random.normal(kk, (batch, n, NUM_KV_HEADS, HEAD_DIM), DTYPE)
-  v = jax.random.normal(kv, (batch, n, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+  q = jax.random.normal(kq, (batch, n, NUM_HEADS, head_dim), DTYPE)
+  k = jax.random.normal(kk, (batch, n, NUM_KV_HEADS, head_dim), DTYPE)
+  v = jax.random.normal(kv, (batch, n, NUM_KV_HEADS, head_dim), DTYPE)
   return q, k, v
 
 
@@ -141,18 +141,19 @@ def causal_mask(n: int):
   return jnp.where(jnp.arange(n)[None, :] <= rows, 0.0, -jnp.inf).astype(DTYPE)
 
 
-def causal_flops(batch: int, n: int) -> float:
-  return batch * NUM_HEADS * 4 * n * n * HEAD_DIM / 2
+def causal_flops(batch: int, n: int, head_dim: int = HEAD_DIM) -> float:
+  return batch * NUM_HEADS * 4 * n * n * head_dim / 2
 
 
 # ----------------------------------------------------------------------------- measurements
 
 def bench_row(batch: int, n: int, ceiling_tflops: float | None, limit, check: bool = False,
-              impls=IMPLS) -> dict:
+              impls=IMPLS, head_dim: int = HEAD_DIM) -> dict:
   """One (batch, n): every contender timed under one profiler trace. With `check`, also each
   one's max abs error against float32 attention (row["max_abs_error"])."""
-  row = {"batch": batch, "n": n, "gflop": causal_flops(batch, n) / 1e9, "errors": {}, "kernels": {}}
-  q, k, v = make_inputs(batch, n)
+  flops = causal_flops(batch, n, head_dim)
+  row = {"batch": batch, "n": n, "gflop": flops / 1e9, "errors": {}, "kernels": {}}
+  q, k, v = make_inputs(batch, n, head_dim=head_dim)
   mask = causal_mask(n) if n <= MAX_N_MATERIALIZED else jnp.zeros((1, 1), DTYPE)
   cases = {}
   for impl in impls:
@@ -169,7 +170,6 @@ def bench_row(batch: int, n: int, ceiling_tflops: float | None, limit, check: bo
     row["max_abs_error"] = {impl: err if err else float(jnp.max(jnp.abs(
         t.output.astype(jnp.float32) - ref))) for impl, t in timings.items() if isinstance(t, Timing)}
     del ref
-  flops = causal_flops(batch, n)
   record_rates(row, timings, IMPLS, flops, ceiling_tflops)
   mha = timings.get("pallas_mha")
   if isinstance(mha, Timing) and mha.kernels:
@@ -256,6 +256,9 @@ def parse_args(argv=None):
                  help="the contenders to run (default: all; --quick leaves out xla and naive)")
   p.add_argument("--sizes", type=int, nargs="*", default=None,
                  help="batch-1 sequence lengths (default: 512 ... 32768, or --quick's), then 4 x 4096")
+  p.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                 help="head dim of every row (other than 128: results in prefill_d<H>.*, no "
+                      "Triton sweep)")
   return p.parse_args(argv)
 
 
@@ -274,11 +277,13 @@ def main(argv=None):
     acc_n, sweep_n = 4096, 8192
     grid = {"block_q": [64, 128], "block_k": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
     ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
-  meta, out_dir = begin_run("prefill", args, **ceiling_args)
+  head_dim = args.head_dim
+  name = "prefill" if head_dim == HEAD_DIM else f"prefill_d{head_dim}"
+  meta, out_dir = begin_run(name, args, **ceiling_args)
   ceiling = meta["ceilings"].get("matmul_tflops")
   meta.update(
       title="Causal prefill: TFLOP/s on device time",
-      shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
+      shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, dtype="bfloat16",
                   causal=True),
       flops="FlashAttention-2 convention: 4 n^2 d per head, halved for causal")
   meta["notes_header"] = [
@@ -298,7 +303,7 @@ def main(argv=None):
     impls = tuple(i for i in IMPLS if i in (args.impls or IMPLS)
                   and not (args.quick and i in ("xla", "naive")))
     row, err = try_call(bench_row, batch, n, ceiling, limit, check=(batch, n) == (1, acc_n),
-                        impls=impls)
+                        impls=impls, head_dim=head_dim)
     if err:
       notes.append(f"B={batch} n={n}: row failed: {err[:300]}")
       log(f"  row failed: {err}")
@@ -311,18 +316,18 @@ def main(argv=None):
     for impl, err in row["errors"].items():
       notes.append(f"B={batch} n={n} {LABELS[impl]}: {err[:300]}")
     log("  " + ", ".join(f"{impl} {format_value(row.get(f'{impl}_tflops'))}" for impl in IMPLS))
-    write_results("prefill", rows, meta, main_columns(), out_dir=out_dir, notes=notes)
+    write_results(name, rows, meta, main_columns(), out_dir=out_dir, notes=notes)
 
   memory_rows = [{"batch": r["batch"], "n": r["n"],
                   **{impl: r.get(f"{impl}_temp_mib") for impl in IMPLS}} for r in rows]
   sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
   write_results(
-      "prefill_memory", memory_rows, {**sub_meta, "title": "Causal prefill: peak XLA scratch memory (MiB)"},
+      f"{name}_memory", memory_rows, {**sub_meta, "title": "Causal prefill: peak XLA scratch memory (MiB)"},
       [("batch", "B"), ("n", "n"), *[(impl, LABELS[impl]) for impl in IMPLS]], out_dir=out_dir,
       notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
 
   sweep_rows = []
-  if args.sweep:
+  if args.sweep and head_dim == HEAD_DIM:
     log(f"[{limit.elapsed():6.1f}s] tuning sweep at n={sweep_n}")
     sweep_rows, err = try_call(sweep, sweep_n, ceiling, limit, grid)
     if err:
@@ -343,9 +348,9 @@ def main(argv=None):
   plot = {"x": "n", "y": [f"{impl}_tflops" for impl in IMPLS], "logx": True,
           "labels": {f"{impl}_tflops": LABELS[impl] for impl in IMPLS},
           "where": lambda r: r["batch"] == 1, "xlabel": "sequence length n (batch 1)",
-          "ylabel": "TFLOP/s (device time)", "title": "Causal prefill, 12 q heads / 2 kv heads, d=128, bf16",
+          "ylabel": "TFLOP/s (device time)", "title": f"Causal prefill, 12 q heads / 2 kv heads, d={head_dim}, bf16",
           "hline": (ceiling, "bf16 matmul ceiling")}
-  paths = write_results("prefill", rows, meta, main_columns(), plot=plot, out_dir=out_dir,
+  paths = write_results(name, rows, meta, main_columns(), plot=plot, out_dir=out_dir,
                         notes=notes, extra={"sweep": sweep_rows})
 
   log(f"\n[{limit.elapsed():6.1f}s] results in {Path(paths['json']).parent}")

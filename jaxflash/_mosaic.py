@@ -33,10 +33,12 @@ except Exception as e:  # noqa: BLE001 -- any failure means "no Mosaic GPU here"
   IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 try:
+  import numpy as np
   from jaxlib.mlir import ir
-  from jaxlib.mlir.dialects import llvm
-except Exception:  # noqa: BLE001 -- only the named barriers need them
-  ir = llvm = None
+  from jaxlib.mlir.dialects import arith, llvm, scf, vector
+  from jax.experimental.mosaic import gpu as mgpu
+except Exception:  # noqa: BLE001 -- only the inline Mosaic GPU helpers need them
+  ir = llvm = arith = scf = vector = mgpu = None
 
 try:
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F811
@@ -72,6 +74,46 @@ def named_barrier(operation: str, barrier_id, num_threads: int) -> None:
                     f"bar.{operation} $0, {num_threads};", "r", has_side_effects=True)
 
   bar(jnp.asarray(barrier_id, jnp.int32))
+
+
+def scale_rows_if_any(x, row_scale):
+  """x * row_scale[:, None] for x [rows, cols] float32 in the wgmma layout and row_scale
+  [rows] in its row layout, with the multiply skipped by every warp whose rows all have
+  scale 1 (a warp vote, then a branch the warp takes together). The online softmax's
+  rescale of the accumulator is such a multiply: once the running max is kept unless it
+  grows by a threshold, almost every step's scale is 1 (FlashAttention-4's conditional
+  rescaling)."""
+  f32 = x.dtype
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, f32, layout=plgpu.Layout.WGMMA))
+  def scale(_, acc, row):
+    one = arith.constant(ir.F32Type.get(), 1.0)
+    i32 = ir.IntegerType.get_signless(32)
+    needed = None
+    for reg in row.registers.flat:  # this thread's rows: vector<1xf32> each
+      for i in range(ir.VectorType(reg.type).shape[0]):
+        elem = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+        ne = arith.cmpf(arith.CmpFPredicate.UNE, elem, one)  # NaN scales multiply too
+        needed = ne if needed is None else arith.ori(needed, ne)
+    # vote.sync.any: the warp branches together (its 16 rows decide as one).
+    any_needed = llvm.inline_asm(
+        i32, [arith.extui(i32, needed)],
+        "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.any.pred p, p, 0xffffffff; "
+        "selp.b32 $0, 1, 0, p; }", "=r,r", has_side_effects=True)
+    flat = list(acc.registers.flat)
+    branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ne, any_needed, arith.constant(i32, 0)),
+                      [r.type for r in flat], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      scaled = acc * row.broadcast_in_dim(acc.shape, (0,), acc.layout)
+      scf.YieldOp(list(scaled.registers.flat))
+    with ir.InsertionPoint(branch.else_block):
+      scf.YieldOp(flat)
+    registers = np.empty(acc.registers.shape, dtype=object)
+    registers.flat[:] = list(branch.results)
+    return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
+
+  return scale(x, row_scale)
 
 
 def on_gpu() -> bool:

@@ -91,7 +91,7 @@ def _config_id(config):
   if config is None:
     return "default"
   flags = [name for name in ("auto_barriers", "named_schedule", "persistent", "overlap_softmax",
-                             "separate_output") if getattr(config, name)]
+                             "separate_output", "conditional_rescale") if getattr(config, name)]
   return "x".join(map(str, (config.block_q, config.block_kv, config.num_stages, *flags)))
 
 
@@ -184,6 +184,29 @@ def test_scale_and_residual_off(rng):
   assert_close(out, ref, BF16)
 
 
+RESCALED = C(64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=True,
+             conditional_rescale=True)
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("head_dim,config", [
+    (64, None), (128, None), (256, None), (256, dataclasses.replace(RESCALED, conditional_rescale=False)),
+    (128, dataclasses.replace(FAST, conditional_rescale=True)),
+    (64, C(64, 128, 2, persistent=True, conditional_rescale=True)),
+    (192, dataclasses.replace(RESCALED, named_schedule=False, overlap_softmax=False)),
+], ids=lambda x: str(x) if isinstance(x, int) else _config_id(x))
+def test_running_max_that_jumps(head_dim, config, rng):
+  """Keys that grow along the sequence, and a few far larger, move each row's running max
+  by more than conditional rescaling's threshold, again and again: the rescaled and the
+  skipped steps must both be exact."""
+  q, k, v = _qkv(rng, 2, 333, 900, 6, 2, head_dim, BF16)
+  growth = jnp.linspace(0.2, 6.0, 900)[None, :, None, None]
+  k = (k.astype(F32) * growth).at[:, ::97].multiply(3.0).astype(BF16)
+  out, lse = _run(q, k, v, is_causal=True, config=config)
+  _check(out, lse, q, k, v, is_causal=True)
+
+
 @gpu
 @SM90_ONLY
 @pytest.mark.parametrize("config", [
@@ -191,6 +214,7 @@ def test_scale_and_residual_off(rng):
     C(64, 128, 2, named_schedule=True), NAMED, C(64, 128, 2, persistent=True), FAST,
     dataclasses.replace(NAMED, overlap_softmax=True), dataclasses.replace(NAMED, separate_output=True),
     C(64, 128, 2, separate_output=True), C(64, 64, 3, named_schedule=True, overlap_softmax=True),
+    dataclasses.replace(FAST, conditional_rescale=True), C(64, 128, 2, conditional_rescale=True),
 ], ids=_config_id)
 def test_configs(config, rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
@@ -349,8 +373,10 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
 
 
 @pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (SMALL, None), (None, (70, 0)),
-                                           (FAST, (70, 0))],
-                         ids=["default", "named", "per-tile", "window", "overlap-window"])
+                                           (FAST, (70, 0)), (RESCALED, (70, 0)),
+                                           (C(64, 128, 2, conditional_rescale=True), None)],
+                         ids=["default", "named", "per-tile", "window", "overlap-window",
+                              "rescaled-window", "rescaled-per-tile"])
 @CPU_ONLY
 @NEEDS_MOSAIC
 def test_kernel_traces_on_this_jax(config, window, monkeypatch):
@@ -365,3 +391,7 @@ def test_kernel_traces_on_this_jax(config, window, monkeypatch):
                                                   return_residual=True, config=config)
   out, lse = jax.eval_shape(run, q, kv, kv, lengths, lengths)
   assert out.shape == q.shape and lse.shape == q.shape[:3]
+  # Lowering for CUDA runs the Mosaic GPU lowering rules too (the inline Mosaic GPU helpers).
+  monkeypatch.setattr(mosaic.prefill, "device_info", lambda: H200)
+  lowered = jax.jit(run).trace(q, kv, kv, lengths, lengths).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()

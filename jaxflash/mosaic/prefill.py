@@ -21,6 +21,9 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
   issues QK^T of block j together with PV of block j - 1, so its own softmax of block j
   runs while that PV is still on the tensor cores. P is converted to bf16/fp16 only after
   the PV wait: registers a running wgmma reads must not be written before it completes.
+* Conditional rescaling (FlashAttention-4; d = 256): a row's running max, and with it the
+  accumulator's rescale, changes only when a block's max exceeds it by more than 2^8; a warp
+  whose rows all kept theirs skips the multiply.
 * For d <= 128 the output tile has a shared-memory buffer of its own, so the next tile's
   Q load is issued before this tile's epilogue instead of after its store.
 * Online softmax in base 2 with the scale folded into one multiply-add (scores times
@@ -69,6 +72,9 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SWIZZLE_BYTES = 128
 WARPGROUP_THREADS = 128
 SCHEDULE_ID = 8  # first hardware named barrier of the ping-pong (Mosaic GPU uses the low IDs)
+# conditional_rescale: the running max moves only when a block's row max exceeds it by more
+# than this (base 2: probabilities up to 2^8), as FlashAttention-4 does.
+RESCALE_THRESHOLD = 8.0
 SMEM_RESERVE = 1024  # barriers (no reduction scratch: row reductions stay inside a warp)
 
 
@@ -93,7 +99,13 @@ class MosaicPrefillConfig:
   and the softmax of block j runs while that PV is still in flight.
 
   `separate_output`: the output tile gets its own shared-memory buffer instead of reusing
-  the Q tile's, so the next tile's Q load is issued before this tile's epilogue."""
+  the Q tile's, so the next tile's Q load is issued before this tile's epilogue.
+
+  `conditional_rescale`: FlashAttention-4's conditional rescaling: a row keeps its running
+  max until a block's exceeds it by more than 2^8, and a warp skips the accumulator's
+  rescale when none of its rows moved. It pays where the accumulator is wide against the
+  score tile (d = 256 with 64-key blocks); at d = 64 and 128 the branch costs more than the
+  multiply it saves."""
 
   block_q: int = 64
   block_kv: int = 128
@@ -103,6 +115,7 @@ class MosaicPrefillConfig:
   persistent: bool = False
   overlap_softmax: bool = False
   separate_output: bool = False
+  conditional_rescale: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     row_tiles = (1 + self.separate_output) * NUM_CONSUMERS * self.block_q
@@ -126,14 +139,17 @@ C = MosaicPrefillConfig
 # 64x192x2 with the overlap spills, 431); d = 256 at 8192 682 against 697 with the overlap; d
 # = 64 at 8192 448 (mbarrier) against 440 with the separate buffer and 418 / 412 with the
 # overlap. block_q stays 64: one wgmma M tile per consumer keeps its accumulator and score
-# tile in registers.
+# tile in registers. 2026-12-02, the same, with conditional rescaling against without, at 8192:
+# d = 256 731 against 694 (738 / 704 against 696 / 665 at 16384 / 32768); d = 128 664 against
+# 671 (652 / 668 at 32768); d = 64 399 against 448 (results/h200/mosaic_sweep_overlap.log, runs 5, 6).
 _CONFIGS = {
     64: [C(64, 128, 2, persistent=True), C(64, 64, 2, persistent=True)],
     128: [C(64, 128, 2, named_schedule=True, persistent=True, overlap_softmax=True,
             separate_output=True),
           C(64, 128, 2, named_schedule=True, persistent=True, overlap_softmax=True),
           C(64, 64, 2, persistent=True)],
-    256: [C(64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=True)],
+    256: [C(64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=True,
+            conditional_rescale=True)],
 }
 
 
@@ -265,6 +281,7 @@ def _prefill_kernel(
     group: int,
     named_schedule: bool,
     overlap_softmax: bool,
+    conditional_rescale: bool,
 ):
   dtype = q_ref.dtype
   q_smem, o_smem = io_smem if len(io_smem) == 2 else (io_smem[0], io_smem[0])
@@ -422,12 +439,26 @@ def _prefill_kernel(
             visible &= keys >= rows + (q_base + shift - mods.left)
           s = jnp.where(visible, s, -jnp.inf)
         # m is kept in scaled units so p = exp2(s * c - m) is one FMA per score.
-        m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+        m_block = s.max(axis=1) * qk_scale
+        if conditional_rescale:
+          # A row keeps its running max until the block's is more than RESCALE_THRESHOLD
+          # above it: p <= 2^threshold stays well inside float32 and bf16, and the output and
+          # LSE are the same (both use the max that was kept).
+          m_new = jnp.where(m_block > m_i + RESCALE_THRESHOLD, m_block, m_i)
+        else:
+          m_new = jnp.maximum(m_i, m_block)
         # A row that has seen no key keeps m = -inf; subtract 0 instead (no -inf - -inf).
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_safe)
         p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
         return p, m_new, alpha, l_i * alpha + p.sum(axis=1)
+
+      def rescale(acc, alpha):
+        """acc [block_q, H] times alpha [block_q] per row: skipped by the warps whose rows
+        all kept their max under conditional_rescale."""
+        if conditional_rescale:
+          return _mosaic.scale_rows_if_any(acc, alpha)
+        return acc * rows_bcast(alpha, acc.shape)
 
       def scores(slot):
         """S = Q K^T [block_q, block_kv] float32 of the key block in `slot`, which is then
@@ -445,7 +476,7 @@ def _prefill_kernel(
         acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
         slot = slot_of(j)
         p, m_new, alpha, l_i = softmax(scores(slot), m_i, l_i, j, masked=masked)
-        acc = acc * rows_bcast(alpha, acc.shape)
+        acc = rescale(acc, alpha)
         p_tile = p.astype(dtype)
         # Keep the softmax before the barrier (the order decides the overlap).
         acc, l_i, m_new, p_tile = lax.optimization_barrier((acc, l_i, m_new, p_tile))
@@ -499,7 +530,7 @@ def _prefill_kernel(
         acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
             (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_i, m_i))
         plgpu.barrier_arrive(v_free.at[prev])
-        return acc * rows_bcast(alpha, acc.shape), m_new, l_new, p.astype(dtype)
+        return rescale(acc, alpha), m_new, l_new, p.astype(dtype)
 
       def last_pv(_, carry):
         acc, m_i, l_i, p = carry
@@ -713,7 +744,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
       num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
       group=num_heads // num_kv_heads, named_schedule=config.named_schedule,
-      overlap_softmax=config.overlap_softmax)
+      overlap_softmax=config.overlap_softmax,
+      conditional_rescale=config.conditional_rescale)
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
