@@ -22,8 +22,8 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
   runs while that PV is still on the tensor cores. P is converted to bf16/fp16 only after
   the PV wait: registers a running wgmma reads must not be written before it completes.
 * Conditional rescaling (FlashAttention-4; d = 256): a row's running max, and with it the
-  accumulator's rescale, changes only when a block's max exceeds it by more than a factor 2^8; a warp
-  whose rows all kept theirs skips the multiply.
+  accumulator's rescale, changes only when a block's max exceeds it by more than a factor
+  2^8; a warp whose rows all kept theirs skips the multiply.
 * For d <= 128 the output tile has a shared-memory buffer of its own, so the next tile's
   Q load is issued before this tile's epilogue instead of after its store.
 * Online softmax in base 2 with the scale folded into one multiply-add (scores times
@@ -102,8 +102,8 @@ class MosaicPrefillConfig:
   the Q tile's, so the next tile's Q load is issued before this tile's epilogue.
 
   `conditional_rescale`: FlashAttention-4's conditional rescaling: a row keeps its running
-  max until a block's exceeds it by more than a factor 2^8, and a warp skips the accumulator's
-  rescale when none of its rows moved. It pays where the accumulator is wide against the
+  max until a block's exceeds it by more than a factor 2^8, and a warp skips the
+  accumulator's rescale when none of its rows moved. It pays where the accumulator is wide against the
   score tile (d = 256 with 64-key blocks); at d = 64 and 128 the branch costs more than the
   multiply it saves."""
 
