@@ -3,9 +3,10 @@
 Each workload runs its call back to back for a few seconds while nvidia-smi samples the SM
 clock, the power draw and the active clock-event reasons every 0.1 s (the first samples,
 before the clock settles, are dropped). Its TFLOP/s come from device time in the same
-process, measured just before the loop (bench/timing.py), and the dense bf16 peak at the median clock is SMs x FLOP per SM
-per cycle x clock (4096 on sm_90: wgmma's dense bf16 rate), so `fraction of clock peak` says
-how busy the tensor cores are at the clock the power cap leaves.
+process, measured just before the loop (bench/timing.py), and the dense bf16 peak at the
+median clock is SMs x FLOP per SM per cycle x clock (4096 on sm_90: wgmma's dense bf16
+rate), so `fraction of clock peak` says how busy the tensor cores are at the clock the power
+cap leaves.
 
 Workloads: the bf16 matmul 8192^3 (the ceiling the other tables quote), and causal prefill
 (Qwen2.5-1.5B attention: 12 query heads, 2 KV heads, d = 128, bf16) at n = 16384 and 32768
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 
 from bench import peers
 from bench.cli import TimeLimit, begin_run, bench_arguments, log
-from bench.prefill import HEAD_DIM, NUM_HEADS, make_inputs
+from bench.prefill import causal_flops, make_inputs
 from bench.report import write_results
 from bench.timing import device_times_us, free_memory, try_call
 
@@ -87,7 +88,7 @@ def workloads(smoke: bool, quick: bool):
   for n in ((128,) if smoke else (16384,) if quick else (16384, 32768)):
     args = make_inputs(1, n)
     for name, fn in contenders.items():
-      cases[f"{name} n={n}"] = (jax.jit(fn), args, 4.0 * n * n * HEAD_DIM * NUM_HEADS / 2)
+      cases[f"{name} n={n}"] = (jax.jit(fn), args, causal_flops(1, n))
   return cases
 
 

@@ -83,10 +83,8 @@ def scale_rows_if_any(x, row_scale):
   rescale of the accumulator is such a multiply: once the running max is kept unless it
   grows by a threshold, almost every step's scale is 1 (FlashAttention-4's conditional
   rescaling)."""
-  f32 = x.dtype
-
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
-                     return_type=plgpu.ShapeDtypeStruct(x.shape, f32, layout=plgpu.Layout.WGMMA))
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=plgpu.Layout.WGMMA))
   def scale(_, acc, row):
     one = arith.constant(ir.F32Type.get(), 1.0)
     i32 = ir.IntegerType.get_signless(32)

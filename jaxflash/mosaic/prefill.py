@@ -103,9 +103,9 @@ class MosaicPrefillConfig:
 
   `conditional_rescale`: FlashAttention-4's conditional rescaling: a row keeps its running
   max until a block's exceeds it by more than a factor 2^8, and a warp skips the
-  accumulator's rescale when none of its rows moved. It pays where the accumulator is wide against the
-  score tile (d = 256 with 64-key blocks); at d = 64 and 128 the branch costs more than the
-  multiply it saves."""
+  accumulator's rescale when none of its rows moved. It pays where the accumulator is wide
+  against the score tile (d = 256 with 64-key blocks); at d = 64 and 128 the branch costs
+  more than the multiply it saves."""
 
   block_q: int = 64
   block_kv: int = 128
@@ -284,7 +284,7 @@ def _prefill_kernel(
     conditional_rescale: bool,
 ):
   dtype = q_ref.dtype
-  q_smem, o_smem = io_smem if len(io_smem) == 2 else (io_smem[0], io_smem[0])
+  q_smem, o_smem = io_smem[0], io_smem[-1]  # the same buffer unless separate_output
   separate_output = len(io_smem) == 2
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
