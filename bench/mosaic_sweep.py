@@ -41,7 +41,7 @@ SWEEP_CONFIGS = ("64x64x2", "64x64x4", "64x128x2", "64x128x2a", "64x128x2n", "64
                  "64x128x3npo", "64x192x2npo")
 # Other head dims, swept at 8192 only (their table rows in jaxflash/mosaic/prefill.py).
 HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2", "64x128x2p", "64x128x2np",
-                       "64x128x2ps", "64x128x2npo"),
+                       "64x128x2ps", "64x128x2npo", "64x128x2nposw", "64x128x4nposw"),
                   256: ("64x64x2", "64x64x2p", "64x64x2np", "64x64x2npo", "64x64x2npoc")}
 
 
@@ -49,13 +49,14 @@ def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
   """'64x128x3' -> block_q 64, block_kv 128, 3 stages; a trailing 'a' turns Pallas' automatic
   barriers on (the A/B of `auto_barriers`), a trailing 'n' the named-barrier ping-pong, 'p'
   the persistent grid, 'o' the intra-warpgroup overlap, 's' a separate output buffer, 'c'
-  conditional rescaling."""
+  conditional rescaling, 'w' three consumer warpgroups."""
   flags = text.split("x")[-1].lstrip("0123456789")
-  block_q, block_kv, stages = (int(x.rstrip("anopsc")) for x in text.split("x"))
+  block_q, block_kv, stages = (int(x.rstrip("anopscw")) for x in text.split("x"))
   return mosaic.MosaicPrefillConfig(block_q, block_kv, stages, auto_barriers="a" in flags,
                                     named_schedule="n" in flags, persistent="p" in flags,
                                     overlap_softmax="o" in flags, separate_output="s" in flags,
-                                    conditional_rescale="c" in flags)
+                                    conditional_rescale="c" in flags,
+                                    num_consumers=3 if "w" in flags else 2)
 
 
 def mosaic_fn(config=None):

@@ -50,6 +50,9 @@ SMALL = C(64, 64, 2)  # one CTA per query tile, the mbarrier ping-pong
 NAMED = C(64, 128, 2, named_schedule=True, persistent=True)
 # The intra-warpgroup overlap, and an output buffer of its own.
 FAST = dataclasses.replace(NAMED, overlap_softmax=True, separate_output=True)
+# Three consumers taking turns in a ring (the d = 64 default), and at d = 128 with 64-key blocks.
+THREE = dataclasses.replace(FAST, num_consumers=3)
+THREE_64 = dataclasses.replace(THREE, block_kv=64)
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -78,6 +81,10 @@ CASES = [
     (1, 129, 100, 6, 1, 128, F16, True, FAST),
     (1, 33, 70, 7, 1, 128, BF16, False, dataclasses.replace(FAST, persistent=False)),
     (1, 300, 257, 8, 1, 256, BF16, True, dataclasses.replace(FAST, block_kv=64, separate_output=False)),
+    (2, 1000, 1100, 12, 2, 128, BF16, True, THREE_64),  # 96 tiles of 192 rows
+    (1, 33, 70, 7, 1, 128, F16, False, THREE_64),
+    (1, 129, 100, 6, 1, 128, BF16, True, THREE_64),
+    (8, 120, 128, 64, 8, 64, F16, True, THREE),  # the ring handed on between one-block tiles
 ]
 
 
@@ -92,6 +99,8 @@ def _config_id(config):
     return "default"
   flags = [name for name in ("auto_barriers", "named_schedule", "persistent", "overlap_softmax",
                              "separate_output", "conditional_rescale") if getattr(config, name)]
+  if config.num_consumers != 2:
+    flags.append(f"{config.num_consumers}consumers")
   return "x".join(map(str, (config.block_q, config.block_kv, config.num_stages, *flags)))
 
 
@@ -117,6 +126,8 @@ WINDOW_CASES = [
     (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), None),  # persistent, ragged, 192 tiles
     (1, 1000, 1000, 8, 8, 128, BF16, False, (0, 300), None),  # keys ahead only
     (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), dataclasses.replace(NAMED, separate_output=True)),
+    (2, 257, 700, 6, 2, 128, F16, True, (130, 0), THREE_64),  # later consumers' first blocks masked
+    (1, 400, 400, 7, 1, 64, BF16, False, (100, 37), THREE),
 ]
 
 
@@ -215,6 +226,7 @@ def test_running_max_that_jumps(head_dim, config, rng):
     dataclasses.replace(NAMED, overlap_softmax=True), dataclasses.replace(NAMED, separate_output=True),
     C(64, 128, 2, separate_output=True), C(64, 64, 3, named_schedule=True, overlap_softmax=True),
     dataclasses.replace(FAST, conditional_rescale=True), C(64, 128, 2, conditional_rescale=True),
+    THREE_64, dataclasses.replace(THREE_64, num_stages=4),
 ], ids=_config_id)
 def test_configs(config, rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
@@ -341,6 +353,14 @@ def test_configs_fit_and_are_tuned_per_head_dim():
   assert mosaic_prefill_config(128, BF16, small).smem_bytes(128, 2) <= small.smem_per_block
 
 
+def test_long_sequences_at_d64_take_three_consumers():
+  assert mosaic_prefill_config(64, BF16, H200, num_keys=8192).num_consumers == 3
+  assert mosaic_prefill_config(64, BF16, H200, num_keys=8191).num_consumers == 2
+  assert mosaic_prefill_config(64, BF16, H200).num_consumers == 2
+  assert mosaic_prefill_config(128, BF16, H200, num_keys=32768).num_consumers == 2
+  assert mosaic_prefill_config(256, BF16, H200, num_keys=32768).num_consumers == 2
+
+
 @CPU_ONLY
 def test_off_the_gpu_it_raises_not_implemented():
   q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(n=8))
@@ -353,12 +373,21 @@ def test_off_the_gpu_it_raises_not_implemented():
     (MosaicPrefillConfig(48, 64, 2), ValueError, "multiples of 64"),
     (MosaicPrefillConfig(64, 64, 0), ValueError, "num_stages"),
     (MosaicPrefillConfig(64, 64, 1), ValueError, "num_stages must be >= 2"),
+    (MosaicPrefillConfig(64, 64, 2, num_consumers=4), ValueError, "num_consumers must be 2 or 3"),
+    (MosaicPrefillConfig(64, 64, 2, named_schedule=True, num_consumers=3), ValueError,
+     "needs config.overlap_softmax"),
     (jaxflash.PrefillConfig(64, 64), TypeError, "MosaicPrefillConfig"),
 ])
 def test_bad_configs_are_refused(config, error, match):
   q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(n=8))
   with pytest.raises(error, match=match):
     prefill_attention(q, k, v, config=config)
+
+
+def test_three_consumers_are_refused_above_d128():
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(head_dim=256, n=8))
+  with pytest.raises(ValueError, match="num_consumers=3 takes head dims up to 128"):
+    prefill_attention(q, k, v, config=dataclasses.replace(THREE_64, separate_output=False))
 
 
 @pytest.mark.parametrize("shapes,error,match", [
@@ -374,9 +403,10 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
 
 @pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (SMALL, None), (None, (70, 0)),
                                            (FAST, (70, 0)), (RESCALED, (70, 0)),
-                                           (C(64, 128, 2, conditional_rescale=True), None)],
+                                           (C(64, 128, 2, conditional_rescale=True), None),
+                                           (THREE_64, (70, 0))],
                          ids=["default", "named", "per-tile", "window", "overlap-window",
-                              "rescaled-window", "rescaled-per-tile"])
+                              "rescaled-window", "rescaled-per-tile", "three-consumers-window"])
 @CPU_ONLY
 @NEEDS_MOSAIC
 def test_kernel_traces_on_this_jax(config, window, monkeypatch):

@@ -4,8 +4,8 @@ Same function as `jaxflash.prefill_attention` (the Pallas-Triton FlashAttention-
 whose plain-JAX reference `prefill_reference` this module shares), built the way
 FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
 
-* Warp specialisation. A CUDA block (CTA) holds three warpgroups: two consumers, each
-  owning `block_q` query rows, and one producer that only issues TMA copies of K and V
+* Warp specialisation. A CUDA block (CTA) holds two consumer warpgroups (three for long
+  sequences at d = 64), each owning `block_q` query rows, and one producer that only issues TMA copies of K and V
   tiles into a `num_stages`-deep shared-memory ring. Each ring slot has a "ready" barrier
   (the TMA completes it) and a "free" barrier (both consumers arrive once they have read
   it); the producer waits on "free" before it overwrites a slot. The producer gives its
@@ -13,14 +13,16 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
   a 64 x block_kv score tile each.
 * wgmma for both products: S = Q K^T from shared memory into float32 registers, O += P V
   with P (bf16/fp16) straight from registers.
-* Ping-pong. The two consumers take turns, on a pair of hardware named barriers (the
-  default for d = 128 and 256) or on one two-arrival mbarrier: while one runs its softmax
-  on the CUDA cores, the other's wgmma runs on the tensor cores (FlashAttention-3, section
-  3.1, "pingpong scheduling").
+* Ping-pong. The consumers take turns, in a ring of hardware named barriers (the default
+  for d = 128 and 256, and with three consumers) or on one two-arrival mbarrier: while one
+  runs its softmax on the CUDA cores, another's wgmma runs on the tensor cores
+  (FlashAttention-3, section 3.1, "pingpong scheduling").
 * Intra-warpgroup overlap (section 3.2; default for d = 128 and 256): a consumer's turn
-  issues QK^T of block j together with PV of block j - 1, so its own softmax of block j
-  runs while that PV is still on the tensor cores. P is converted to bf16/fp16 only after
-  the PV wait: registers a running wgmma reads must not be written before it completes.
+  issues QK^T of block j together with PV of block j - 1, and P is converted to bf16/fp16
+  only after the PV wait (registers a running wgmma reads must not be written before it
+  completes). ptxas moves that wait ahead of the exponentials, so the softmax runs after
+  the PV, hidden behind the other consumer's turn; keeping it before the wait was slower
+  (bench/PERFORMANCE.md).
 * Conditional rescaling (FlashAttention-4; d = 256): a row's running max, and with it the
   accumulator's rescale, changes only when a block's max exceeds it by more than a factor
   2^8; a warp whose rows all kept theirs skips the multiply.
@@ -65,9 +67,8 @@ from jaxflash.device import DeviceInfo, device_info
 from jaxflash.prefill import prefill_reference
 from jaxflash.score_mods import ScoreMods, key_blocks
 
-NUM_CONSUMERS = 2  # consumer warpgroups per CTA (FlashAttention-3's ping-pong pair)
-CONSUMER_REGISTERS = 232  # setmaxnreg per consumer thread; the producer keeps 40
-PRODUCER_REGISTERS = 40
+NUM_CONSUMERS = 2  # consumer warpgroups per CTA by default (FlashAttention-3's ping-pong pair)
+REGISTER_FILE = 65536  # 32-bit registers per SM (and per CTA: one CTA per SM)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SWIZZLE_BYTES = 128
 WARPGROUP_THREADS = 128
@@ -81,7 +82,7 @@ SMEM_RESERVE = 1024  # barriers (no reduction scratch: row reductions stay insid
 @dataclasses.dataclass(frozen=True)
 class MosaicPrefillConfig:
   """Tiles of the Mosaic prefill: `block_q` query rows per consumer warpgroup (a CTA holds
-  2 * block_q), `block_kv` keys per step, `num_stages` K/V tiles in flight.
+  num_consumers * block_q), `block_kv` keys per step, `num_stages` K/V tiles in flight.
 
   `auto_barriers`: let Pallas insert its conservative barriers around shared-memory loads
   and stores. Off by default: every shared-memory region here is either written by TMA and
@@ -105,7 +106,12 @@ class MosaicPrefillConfig:
   max until a block's exceeds it by more than a factor 2^8, and a warp skips the
   accumulator's rescale when none of its rows moved. It pays where the accumulator is wide
   against the score tile (d = 256 with 64-key blocks); at d = 64 and 128 the branch costs
-  more than the multiply it saves."""
+  more than the multiply it saves.
+
+  `num_consumers`: consumer warpgroups per CTA, taking turns on the tensor cores in a ring
+  (2 or 3; 3 needs the named-barrier schedule with the overlap). With three, each one's
+  softmax has two others' turns to hide behind instead of one, for a smaller share of the
+  register file (FlashAttention-3 uses three at d = 64)."""
 
   block_q: int = 64
   block_kv: int = 128
@@ -116,12 +122,20 @@ class MosaicPrefillConfig:
   overlap_softmax: bool = False
   separate_output: bool = False
   conditional_rescale: bool = False
+  num_consumers: int = NUM_CONSUMERS
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    row_tiles = (1 + self.separate_output) * NUM_CONSUMERS * self.block_q
+    row_tiles = (1 + self.separate_output) * self.num_consumers * self.block_q
     tiles = row_tiles + 2 * self.num_stages * self.block_kv
-    lse = 4 * NUM_CONSUMERS * self.block_q
+    lse = 4 * self.num_consumers * self.block_q
     return itemsize * head_dim * tiles + lse + SMEM_RESERVE
+
+  def registers(self) -> tuple[int, int]:
+    """setmaxnreg per (consumer, producer) thread: the producer keeps few, the consumers
+    share the rest of the register file (multiples of 8, at most 256 by setmaxnreg's rules)."""
+    producer = 40 if self.num_consumers == 2 else 24
+    per_consumer = (REGISTER_FILE // WARPGROUP_THREADS - producer) // self.num_consumers
+    return min(256, per_consumer // 8 * 8), producer
 
 
 C = MosaicPrefillConfig
@@ -151,18 +165,34 @@ _CONFIGS = {
     256: [C(64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=True,
             conditional_rescale=True)],
 }
+# Head-dim bucket -> (keys from which it pays, config tried first). Three consumers at d = 64,
+# against the first _CONFIGS[64] entry (same process, 2026-12-02, mosaic_sweep_overlap.log run
+# 12), TFLOP/s at 1024 / 2048 / 4096 / 8192 / 16384 / 32768 keys: 84 / 201 / 365 / 448 / 499 /
+# 527 against 123 / 291 / 381 / 441 / 469 / 479. At d = 128 (64-key blocks, since 64 x 128
+# score tiles spill in a third of the register file) 588 / 631 against 670 / 686 at 8192 /
+# 32768.
+_LONG_SEQUENCE_CONFIGS = {
+    64: (8192, C(64, 128, 2, named_schedule=True, persistent=True, overlap_softmax=True,
+                 separate_output=True, num_consumers=3)),
+}
 
 
 def _bucket(head_dim: int) -> int:
   return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
-def mosaic_prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> MosaicPrefillConfig:
-  """The tuned config for this head dim and dtype: the first candidate that fits `info`'s
-  shared memory (default: this GPU)."""
+def mosaic_prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None,
+                          num_keys: int | None = None) -> MosaicPrefillConfig:
+  """The tuned config for this head dim and dtype (and, when given, this many keys per
+  sequence): the first candidate that fits `info`'s shared memory (default: this GPU)."""
   info = info or device_info()
   itemsize = jnp.dtype(dtype).itemsize
-  for config in _CONFIGS[_bucket(head_dim)]:
+  candidates = list(_CONFIGS[_bucket(head_dim)])
+  if _bucket(head_dim) in _LONG_SEQUENCE_CONFIGS:
+    min_keys, long_config = _LONG_SEQUENCE_CONFIGS[_bucket(head_dim)]
+    if num_keys is not None and num_keys >= min_keys:
+      candidates.insert(0, long_config)
+  for config in candidates:
     if config.smem_bytes(head_dim, itemsize) <= info.smem_per_block:
       return config
   raise ValueError(f"no Mosaic prefill config fits {info.name}'s {info.smem_per_block} bytes of "
@@ -183,6 +213,16 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
     # block still run with one slot, which never drains (the ring is never deeper than the
     # keys).
     raise ValueError(f"config.num_stages must be >= 2, got {config}")
+  if config.num_consumers not in (2, 3):
+    raise ValueError(f"config.num_consumers must be 2 or 3, got {config}")
+  if config.num_consumers != 2 and head_dim > 128:
+    # A 64 x H float32 accumulator is H / 2 registers a thread: at H > 128 it and a score
+    # tile do not fit in the 160 that three consumers get (ptxas: insufficient registers).
+    raise ValueError(f"config.num_consumers={config.num_consumers} takes head dims up to 128, got "
+                     f"head_dim={head_dim}")
+  if config.num_consumers != 2 and not config.overlap_softmax:
+    raise ValueError(f"config.num_consumers={config.num_consumers} needs config.overlap_softmax "
+                     f"(only its schedule takes turns in a ring), got {config}")
   if config.overlap_softmax and not config.named_schedule:
     raise ValueError(f"config.overlap_softmax needs config.named_schedule (its turns are taken on "
                      f"the named barriers), got {config}")
@@ -282,6 +322,8 @@ def _prefill_kernel(
     named_schedule: bool,
     overlap_softmax: bool,
     conditional_rescale: bool,
+    num_consumers: int,
+    registers: tuple[int, int],
 ):
   dtype = q_ref.dtype
   q_smem, o_smem = io_smem[0], io_smem[-1]  # the same buffer unless separate_output
@@ -323,21 +365,26 @@ def _prefill_kernel(
     return [jnp.where(rows_end > q_base, x, 0) for x in blocks], (q_valid, shift, kv_valid)
 
   def cta_bounds(batch, tile):
-    """The key blocks [lo, hi) the producer loads for a query tile: the union of both
-    consumers' blocks, from the first consumer's first (its rows are earlier, so a window's
-    left edge reaches further back) to the later of their last (under the causal mask the
-    second usually needs more)."""
-    cta_base = tile * (NUM_CONSUMERS * block_q)
-    (first, _), (second, _) = bounds(batch, cta_base), bounds(batch, cta_base + block_q)
-    return first[0], jnp.maximum(first[3], second[3])
+    """The key blocks [lo, hi) the producer loads for a query tile: the union of the
+    consumers' blocks, from the first consumer's first (its rows are earliest, so a window's
+    left edge reaches furthest back) to the latest of their last (under the causal mask the
+    later consumers usually need more)."""
+    cta_base = tile * (num_consumers * block_q)
+    blocks = [bounds(batch, cta_base + w * block_q if w else cta_base)[0]
+              for w in range(num_consumers)]
+    return blocks[0][0], functools.reduce(jnp.maximum, [b[3] for b in blocks])
 
   # The ping-pong, per step of each consumer: `issued` once its QK^T is issued (the other
   # consumer may now run its PV), `softmax_done` before its own PV.
   if named_schedule:
-    # Consumer w syncs on hardware barrier SCHEDULE_ID + w, which the other one arrives at:
-    # one arrive and one sync a step.
+    # Consumer w syncs on hardware barrier SCHEDULE_ID + w, which the one before it in the
+    # ring arrives at: one arrive and one sync a step.
     def release():
-      _mosaic.named_barrier("arrive", SCHEDULE_ID + 1 - wg, 2 * WARPGROUP_THREADS)
+      if num_consumers == 2:
+        barrier = SCHEDULE_ID + 1 - wg
+      else:
+        barrier = SCHEDULE_ID + lax.rem(wg + 1, num_consumers)
+      _mosaic.named_barrier("arrive", barrier, 2 * WARPGROUP_THREADS)
 
     def acquire():
       _mosaic.named_barrier("sync", SCHEDULE_ID + wg, 2 * WARPGROUP_THREADS)
@@ -361,14 +408,16 @@ def _prefill_kernel(
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_wait(schedule)
 
-  @pl.when(wg < NUM_CONSUMERS)
+  consumer_registers, producer_registers = registers
+
+  @pl.when(wg < num_consumers)
   def _consumer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
     q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
 
     def first_row(tile):
       """This consumer's first query row in a query tile."""
-      return tile * (NUM_CONSUMERS * block_q) + wg * block_q
+      return tile * (num_consumers * block_q) + wg * block_q
 
     def load_q(item):
       batch, tile, head = tile_of(item)
@@ -392,8 +441,8 @@ def _prefill_kernel(
       batch, tile, head = tile_of(item)
       q_base = first_row(tile)
       cta_lo, cta_hi = cta_bounds(batch, tile)
-      # Both consumers start at cta_lo, so that they step through the ring together; the
-      # second's one block before its own window (at most) runs masked and adds nothing.
+      # All consumers start at cta_lo, so that they step through the ring together; the
+      # blocks before a later consumer's own window run masked and add nothing.
       (_, full_lo, full_hi, hi), (q_valid, shift, kv_valid) = bounds(batch, q_base)
       hi = jnp.maximum(hi, cta_lo)
       full_lo = jnp.clip(full_lo, cta_lo, hi)
@@ -626,19 +675,19 @@ def _prefill_kernel(
       return ring + (cta_hi - cta_lo)
 
     if overlap_softmax:
-      # Turns alternate strictly (first, second, first, ...) across tiles: the second
-      # consumer lets the first take the first turn, and the first absorbs the second's last
-      # release at the end. (A hardware barrier only counts arrivals: strict alternation is
+      # Turns go round strictly (first, second, ..., last, first, ...) across tiles: the last
+      # consumer lets the first take the first turn, and the first absorbs the last one's
+      # final release at the end. (A hardware barrier only counts arrivals: strict alternation is
       # what keeps two arrivals of one consumer from completing the other's barrier.)
-      pl.when(wg == 1)(release)
+      pl.when(wg == num_consumers - 1)(release)
     lax.fori_loop(0, num_rounds_here, attend, jnp.int32(0))
     if overlap_softmax:
       pl.when(wg == 0)(acquire)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  @pl.when(wg == NUM_CONSUMERS)
+  @pl.when(wg == num_consumers)
   def _producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(producer_registers, action="decrease")
 
     def produce(round_, ring):
       batch, tile, head = tile_of(item_of(round_))
@@ -679,7 +728,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   `return_residual` the natural-log LSE [B, T, N] float32 too: the same function as
   `jaxflash.prefill_attention`.
 
-  config: a MosaicPrefillConfig (default: the tuned `mosaic_prefill_config(H, dtype)`).
+  config: a MosaicPrefillConfig (default: the tuned `mosaic_prefill_config(H, dtype,
+    num_keys=S)`).
   interpret: Mosaic GPU's interpret mode (default: when there is no GPU). It cannot run
     this kernel yet (`jaxflash._mosaic.INTERPRET_GAPS`), so True, or no GPU, raises
     NotImplementedError; the Pallas-Triton `jaxflash.prefill_attention` runs anywhere.
@@ -706,7 +756,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   mods = ScoreMods.from_options(is_causal=is_causal, local_window_size=local_window_size)
   info = device_info()
   if config is None:
-    config = mosaic_prefill_config(head_dim, query.dtype, info)
+    config = mosaic_prefill_config(head_dim, query.dtype, info, num_keys=seq_kv)
   else:
     _check_config(config, head_dim, query.dtype, info)
 
@@ -716,7 +766,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     return (out, lse) if return_residual else out
 
   block_q, block_kv = config.block_q, config.block_kv
-  q_rows = NUM_CONSUMERS * block_q
+  num_consumers = config.num_consumers
+  q_rows = num_consumers * block_q
   seq_q_pad, seq_kv_pad = _round_up(seq_q, q_rows), _round_up(seq_kv, block_kv)
   q = query if seq_q_pad == seq_q else jnp.pad(query, ((0, 0), (0, seq_q_pad - seq_q), (0, 0), (0, 0)))
   kv_pad = ((0, 0), (0, seq_kv_pad - seq_kv), (0, 0), (0, 0))
@@ -745,23 +796,24 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
       group=num_heads // num_kv_heads, named_schedule=config.named_schedule,
       overlap_softmax=config.overlap_softmax,
-      conditional_rescale=config.conditional_rescale)
+      conditional_rescale=config.conditional_rescale, num_consumers=num_consumers,
+      registers=config.registers())
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
                               plgpu.SwizzleTransform(SWIZZLE_BYTES)))
-  row_tile = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), query.dtype, **swizzled)
+  row_tile = plgpu.SMEM((num_consumers, block_q, head_dim), query.dtype, **swizzled)
   scratch = [
       (row_tile, row_tile) if config.separate_output else (row_tile,),
       plgpu.SMEM((num_stages, block_kv, head_dim), key.dtype, **swizzled),
       plgpu.SMEM((num_stages, block_kv, head_dim), value.dtype, **swizzled),
-      plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
+      plgpu.SMEM((num_consumers, block_q), jnp.float32),
       plgpu.Barrier(num_barriers=num_stages),
       plgpu.Barrier(num_barriers=num_stages),
-      plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+      plgpu.Barrier(num_barriers=num_consumers),
+      plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=num_consumers),
   ]
   out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
               jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
@@ -771,7 +823,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       scratch_types=scratch,
       grid=(num_ctas,),
       grid_names=("cta",),
-      num_threads=NUM_CONSUMERS + 1,
+      num_threads=num_consumers + 1,
       thread_name="wg",
       # approx_math: exp2 is one ex2.approx; the row max and sum of a wgmma tile stay within
       # a warp, so no shared-memory scratch is reserved for cross-warp reductions.
