@@ -5,8 +5,8 @@ whose plain-JAX reference `prefill_reference` this module shares), built the way
 FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
 
 * Warp specialisation. A CUDA block (CTA) holds two consumer warpgroups (three for long
-  sequences at d = 64), each owning `block_q` query rows, and one producer that only issues TMA copies of K and V
-  tiles into a `num_stages`-deep shared-memory ring. Each ring slot has a "ready" barrier
+  sequences at d = 64), each owning `block_q` query rows, and one producer that only issues
+  TMA copies of K and V tiles into a `num_stages`-deep shared-memory ring. Each ring slot has a "ready" barrier
   (the TMA completes it) and a "free" barrier (both consumers arrive once they have read
   it); the producer waits on "free" before it overwrites a slot. The producer gives its
   registers away (setmaxnreg) so the consumers can hold a 64 x 128 float32 accumulator and
@@ -130,12 +130,6 @@ class MosaicPrefillConfig:
     lse = 4 * self.num_consumers * self.block_q
     return itemsize * head_dim * tiles + lse + SMEM_RESERVE
 
-  def registers(self) -> tuple[int, int]:
-    """setmaxnreg per (consumer, producer) thread: the producer keeps few, the consumers
-    share the rest of the register file (multiples of 8, at most 256 by setmaxnreg's rules)."""
-    producer = 40 if self.num_consumers == 2 else 24
-    per_consumer = (REGISTER_FILE // WARPGROUP_THREADS - producer) // self.num_consumers
-    return min(256, per_consumer // 8 * 8), producer
 
 
 C = MosaicPrefillConfig
@@ -177,6 +171,14 @@ _LONG_SEQUENCE_CONFIGS = {
 }
 
 
+def _registers(num_consumers: int) -> tuple[int, int]:
+  """setmaxnreg per (consumer, producer) thread: the producer keeps few, the consumers share
+  the rest of the register file (multiples of 8, at most 256 by setmaxnreg's rules)."""
+  producer = 40 if num_consumers == 2 else 24
+  per_consumer = (REGISTER_FILE // WARPGROUP_THREADS - producer) // num_consumers
+  return min(256, per_consumer // 8 * 8), producer
+
+
 def _bucket(head_dim: int) -> int:
   return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
@@ -187,10 +189,11 @@ def mosaic_prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None,
   sequence): the first candidate that fits `info`'s shared memory (default: this GPU)."""
   info = info or device_info()
   itemsize = jnp.dtype(dtype).itemsize
-  candidates = list(_CONFIGS[_bucket(head_dim)])
-  if _bucket(head_dim) in _LONG_SEQUENCE_CONFIGS:
-    min_keys, long_config = _LONG_SEQUENCE_CONFIGS[_bucket(head_dim)]
-    if num_keys is not None and num_keys >= min_keys:
+  bucket = _bucket(head_dim)
+  candidates = list(_CONFIGS[bucket])
+  if bucket in _LONG_SEQUENCE_CONFIGS and num_keys is not None:
+    min_keys, long_config = _LONG_SEQUENCE_CONFIGS[bucket]
+    if num_keys >= min_keys:
       candidates.insert(0, long_config)
   for config in candidates:
     if config.smem_bytes(head_dim, itemsize) <= info.smem_per_block:
@@ -323,7 +326,6 @@ def _prefill_kernel(
     overlap_softmax: bool,
     conditional_rescale: bool,
     num_consumers: int,
-    registers: tuple[int, int],
 ):
   dtype = q_ref.dtype
   q_smem, o_smem = io_smem[0], io_smem[-1]  # the same buffer unless separate_output
@@ -370,7 +372,7 @@ def _prefill_kernel(
     left edge reaches furthest back) to the latest of their last (under the causal mask the
     later consumers usually need more)."""
     cta_base = tile * (num_consumers * block_q)
-    blocks = [bounds(batch, cta_base + w * block_q if w else cta_base)[0]
+    blocks = [bounds(batch, cta_base + w * block_q if w else cta_base)[0]  # (no "+ 0" op)
               for w in range(num_consumers)]
     return blocks[0][0], functools.reduce(jnp.maximum, [b[3] for b in blocks])
 
@@ -380,7 +382,7 @@ def _prefill_kernel(
     # Consumer w syncs on hardware barrier SCHEDULE_ID + w, which the one before it in the
     # ring arrives at: one arrive and one sync a step.
     def release():
-      if num_consumers == 2:
+      if num_consumers == 2:  # the pair's form, as measured (rem gives the same barrier)
         barrier = SCHEDULE_ID + 1 - wg
       else:
         barrier = SCHEDULE_ID + lax.rem(wg + 1, num_consumers)
@@ -408,7 +410,7 @@ def _prefill_kernel(
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_wait(schedule)
 
-  consumer_registers, producer_registers = registers
+  consumer_registers, producer_registers = _registers(num_consumers)
 
   @pl.when(wg < num_consumers)
   def _consumer():
@@ -677,8 +679,8 @@ def _prefill_kernel(
     if overlap_softmax:
       # Turns go round strictly (first, second, ..., last, first, ...) across tiles: the last
       # consumer lets the first take the first turn, and the first absorbs the last one's
-      # final release at the end. (A hardware barrier only counts arrivals: strict alternation is
-      # what keeps two arrivals of one consumer from completing the other's barrier.)
+      # final release at the end. (A hardware barrier only counts arrivals: the strict order
+      # is what keeps two arrivals of one consumer from completing another's barrier.)
       pl.when(wg == num_consumers - 1)(release)
     lax.fori_loop(0, num_rounds_here, attend, jnp.int32(0))
     if overlap_softmax:
@@ -796,8 +798,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
       group=num_heads // num_kv_heads, named_schedule=config.named_schedule,
       overlap_softmax=config.overlap_softmax,
-      conditional_rescale=config.conditional_rescale, num_consumers=num_consumers,
-      registers=config.registers())
+      conditional_rescale=config.conditional_rescale, num_consumers=num_consumers)
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
