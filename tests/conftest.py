@@ -100,6 +100,14 @@ def random_array(rng, shape, dtype, scale=1.0):
   return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32), dtype=dtype)
 
 
+def d_scale_limit(q, dq_ref, scale) -> float:
+  """Tolerance of d_scale = sum(q * dq) / scale, a float32 sum over every query element whose
+  terms can cancel: its rounding scales with the terms' magnitude (about 8 float32 ulps of
+  it here), not with the sum, which may be near zero."""
+  q, dq_ref = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, dq_ref))
+  return 1e-6 * float(np.abs(q * dq_ref).sum()) / abs(float(scale))
+
+
 def assert_close(actual, expected, dtype, *, what="output"):
   """Relative-norm and elementwise checks against a float64 reference, by input dtype."""
   actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)

@@ -18,7 +18,7 @@ import pytest
 
 import jaxflash
 from jaxflash.score_mods import ScoreMods
-from tests.conftest import HAS_GPU, assert_close, random_array
+from tests.conftest import HAS_GPU, assert_close, d_scale_limit, random_array
 from tests.reference_np import attention_f64, gather_pages_np
 
 F32 = jnp.float32
@@ -383,8 +383,11 @@ def test_gradients_through_every_option_match_xla(path, rng):
   got, want = (jax.jit(jax.grad(functools.partial(loss, impl), argnums=argnums))(
       q, k, v, bias, sinks, jnp.float32(scale) if path == "prefill" else scale)
       for impl in (None, "xla"))
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5 * max(1., float(jnp.abs(w).max())))
+  for i, (g, w) in enumerate(zip(got, want)):
+    limit = 2e-5 * max(1., float(jnp.abs(w).max()))
+    if i == 5:  # d_scale: a sum whose terms can cancel (two float32 paths, not float64)
+      limit = d_scale_limit(q, want[0], scale)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=limit)
 
 
 def test_prefill_attention_chooses_its_kernel(rng):

@@ -25,7 +25,7 @@ import pytest
 import jaxflash
 from jaxflash import BackwardConfig, PrefillConfig
 from jaxflash.prefill import prefill_attention  # the Pallas-Triton kernel itself
-from tests.conftest import SM90_ONLY, poison_allocator, random_array
+from tests.conftest import SM90_ONLY, d_scale_limit, poison_allocator, random_array
 from tests.reference_np import attention_f64
 
 SMALL = dict(config=PrefillConfig(16, 16), backward_config=BackwardConfig(16, 16))
@@ -267,13 +267,6 @@ def _option_grads_f64(q, k, v, bias, sinks, scale, d_out, d_lse, q_lengths, kv_l
     return [None if g is None else np.asarray(g, np.float64) for g in grads]
 
 
-def _d_scale_limit(q, dq_ref, scale) -> float:
-  """Tolerance of d_scale = sum(q * dq) / scale, a float32 sum over every query element whose
-  terms can cancel: its rounding scales with the terms' magnitude (about 8 float32 ulps of
-  it here), not with the sum, which may be near zero."""
-  return 1e-6 * float(np.abs(np.asarray(q, np.float64) * dq_ref).sum()) / abs(float(scale))
-
-
 # Each option alone and combined: (batch, T, S, N, K, H, lengths, options); "bias" and
 # "sinks" name the shape of the differentiated array (a broadcastable bias, or [N]).
 OPTION_CASES = {
@@ -336,7 +329,7 @@ def test_option_gradients_match_float64(case, interpret, rng):
     g = np.asarray(g, np.float64)
     assert np.isfinite(g).all(), f"{name} is not finite"
     err, size = np.abs(g - ref).max(), max(1., np.abs(ref).max())
-    limit = _d_scale_limit(q, want[0], scale) if name == "d_scale" else 5e-5 * size
+    limit = d_scale_limit(q, want[0], scale) if name == "d_scale" else 5e-5 * size
     assert err <= limit, f"{case} {name}: error {err:.3g} over {limit:.3g} (max |grad| {size:.3g})"
 
 
@@ -424,7 +417,7 @@ def test_the_forward_is_pluggable(rng):
   want = _option_grads_f64(q, k, v, None, None, float(scale), d_out, d_lse, None, kv_lengths,
                            dict(is_causal=True))
   for name, g, ref in zip(("dq", "dk", "dv", "d_scale"), got, [want[i] for i in (0, 1, 2, 5)]):
-    limit = (_d_scale_limit(q, want[0], scale) if name == "d_scale"
+    limit = (d_scale_limit(q, want[0], scale) if name == "d_scale"
              else 3e-5 * max(1., np.abs(ref).max()))
     np.testing.assert_allclose(np.asarray(g), ref, atol=limit, err_msg=name)
 
