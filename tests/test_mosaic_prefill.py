@@ -286,6 +286,29 @@ def test_vmap_over_a_leading_axis(rng):
     np.testing.assert_array_equal(got[i], run(q[i], k[i], v[i]))
 
 
+@gpu
+@SM90_ONLY
+def test_three_consumers_under_grad_and_vmap(rng):
+  """The three-consumer default of long sequences at d = 64 under jax.grad (the Triton
+  backward on its out and LSE) equals the Triton forward's gradients, and under jax.vmap
+  equals one call per slice."""
+  q, k, v = _qkv(rng, 1, 8200, 8200, 4, 1, 64, BF16)
+  assert mosaic_prefill_config(64, BF16, jaxflash.device_info(), num_keys=8200).num_consumers == 3
+  grads = {}
+  for impl in ("mosaic", "triton"):
+    loss = lambda q, k, v: jnp.sum(jnp.sin(jaxflash.attention(
+        q, k, v, is_causal=True, implementation=impl).astype(F32)))
+    grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  for got, want in zip(grads["mosaic"], grads["triton"]):
+    got, want = np.asarray(got.astype(F32)), np.asarray(want.astype(F32))
+    np.testing.assert_allclose(got, want, atol=2e-2 * max(1., np.abs(want).max()))
+  run = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True, implementation="mosaic")
+  stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v)]  # two different slices
+  got = jax.jit(jax.vmap(run))(*stacked)
+  for i in range(2):
+    np.testing.assert_array_equal(got[i], run(*(x[i] for x in stacked)))
+
+
 # --------------------------------------------------------------------- no GPU needed
 
 def _shapes(dtype=BF16, head_dim=128, heads=12, kv_heads=2, n=64):
