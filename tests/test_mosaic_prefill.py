@@ -146,20 +146,26 @@ def test_sliding_window_matches_reference(case, rng):
   _check(out, lse, q, k, v, is_causal=causal, q_lengths=q_len, kv_lengths=kv_len, window=window)
 
 
+def _assert_mosaic_grads_match_triton(q, k, v, **options):
+  """jax.grad (under jit) of a loss of jaxflash.attention(q, k, v, **options) on the Mosaic
+  forward equals that on the Triton forward: the same backward on the same out and LSE."""
+  grads = {}
+  for impl in ("mosaic", "triton"):
+    loss = lambda q, k, v: jnp.sum(jnp.sin(jaxflash.attention(
+        q, k, v, implementation=impl, **options).astype(F32)))
+    grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  for got, want in zip(grads["mosaic"], grads["triton"]):
+    got, want = np.asarray(got.astype(F32)), np.asarray(want.astype(F32))
+    np.testing.assert_allclose(got, want, atol=2e-2 * max(1., np.abs(want).max()))
+
+
 @gpu
 @SM90_ONLY
 def test_windowed_gradients_through_mosaic_match_triton(rng):
   """jax.grad of jaxflash.attention with a window on the Mosaic forward (the default on
   sm_90) equals the Triton forward's: the same backward on the same out and LSE."""
   q, k, v = _qkv(rng, 1, 777, 777, 6, 2, 128, BF16)
-  grads = {}
-  for impl in ("mosaic", "triton"):
-    loss = lambda q, k, v: jnp.sum(jnp.sin(jaxflash.attention(
-        q, k, v, is_causal=True, local_window_size=(200, 0), implementation=impl).astype(F32)))
-    grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-  for got, want in zip(grads["mosaic"], grads["triton"]):
-    got, want = np.asarray(got.astype(F32)), np.asarray(want.astype(F32))
-    np.testing.assert_allclose(got, want, atol=2e-2 * max(1., np.abs(want).max()))
+  _assert_mosaic_grads_match_triton(q, k, v, is_causal=True, local_window_size=(200, 0))
 
 
 @gpu
@@ -294,14 +300,7 @@ def test_three_consumers_under_grad_and_vmap(rng):
   equals one call per slice."""
   q, k, v = _qkv(rng, 1, 8200, 8200, 4, 1, 64, BF16)
   assert mosaic_prefill_config(64, BF16, jaxflash.device_info(), num_keys=8200).num_consumers == 3
-  grads = {}
-  for impl in ("mosaic", "triton"):
-    loss = lambda q, k, v: jnp.sum(jnp.sin(jaxflash.attention(
-        q, k, v, is_causal=True, implementation=impl).astype(F32)))
-    grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-  for got, want in zip(grads["mosaic"], grads["triton"]):
-    got, want = np.asarray(got.astype(F32)), np.asarray(want.astype(F32))
-    np.testing.assert_allclose(got, want, atol=2e-2 * max(1., np.abs(want).max()))
+  _assert_mosaic_grads_match_triton(q, k, v, is_causal=True)
   run = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True, implementation="mosaic")
   stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v)]  # two different slices
   got = jax.jit(jax.vmap(run))(*stacked)
