@@ -383,11 +383,11 @@ def test_gradients_through_every_option_match_xla(path, rng):
   got, want = (jax.jit(jax.grad(functools.partial(loss, impl), argnums=argnums))(
       q, k, v, bias, sinks, jnp.float32(scale) if path == "prefill" else scale)
       for impl in (None, "xla"))
-  for i, (g, w) in enumerate(zip(got, want)):
-    limit = 2e-5 * max(1., float(jnp.abs(w).max()))
-    if i == 5:  # d_scale: a sum whose terms can cancel (two float32 paths, not float64)
-      limit = d_scale_limit(q, want[0], scale)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=limit)
+  for name, g, w in zip(("dq", "dk", "dv", "d_bias", "d_sinks", "d_scale"), got, want):
+    # d_scale: a sum whose terms can cancel (two float32 paths, not float64)
+    limit = (d_scale_limit(q, want[0], scale) if name == "d_scale"
+             else 2e-5 * max(1., float(jnp.abs(w).max())))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=limit, err_msg=name)
 
 
 def test_prefill_attention_chooses_its_kernel(rng):
