@@ -77,6 +77,7 @@ SCHEDULE_ID = 8  # first hardware named barrier of the ping-pong (Mosaic GPU use
 # than this (base 2: probabilities up to 2^8), as FlashAttention-4 does.
 RESCALE_THRESHOLD = 8.0
 SMEM_RESERVE = 1024  # barriers (no reduction scratch: row reductions stay inside a warp)
+ROW_SUM_COLUMNS = 8  # tensor_core_row_sums: P times a [block_kv, 8] block of ones, wgmma's least N
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,13 @@ class MosaicPrefillConfig:
   `num_consumers`: consumer warpgroups per CTA, taking turns on the tensor cores in a ring
   (2 or 3; 3 needs the named-barrier schedule with the overlap). With three, each one's
   softmax has two others' turns to hide behind instead of one, for a smaller share of the
-  register file (FlashAttention-3 uses three at d = 64)."""
+  register file (FlashAttention-3 uses three at d = 64).
+
+  `tensor_core_row_sums` (needs the overlap): the softmax's row sums come from the tensor
+  cores, as P times a block of ones issued beside PV (an m64n8 wgmma, 1/16 of PV's work), into
+  a 64 x 8 accumulator rescaled with the output's, instead of one add a score on the CUDA
+  cores, whose instruction stream sets the pace. The sums are then those of P as rounded to
+  bf16/fp16, the very weights PV applies."""
 
   block_q: int = 64
   block_kv: int = 128
@@ -123,12 +130,14 @@ class MosaicPrefillConfig:
   separate_output: bool = False
   conditional_rescale: bool = False
   num_consumers: int = NUM_CONSUMERS
+  tensor_core_row_sums: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     row_tiles = (1 + self.separate_output) * self.num_consumers * self.block_q
     tiles = row_tiles + 2 * self.num_stages * self.block_kv
     lse = 4 * self.num_consumers * self.block_q
-    return itemsize * head_dim * tiles + lse + SMEM_RESERVE
+    ones = itemsize * ROW_SUM_COLUMNS * self.block_kv * self.tensor_core_row_sums
+    return itemsize * head_dim * tiles + lse + ones + SMEM_RESERVE
 
 
 
@@ -226,6 +235,9 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
   if config.num_consumers != 2 and not config.overlap_softmax:
     raise ValueError(f"config.num_consumers={config.num_consumers} needs config.overlap_softmax "
                      f"(only its schedule takes turns in a ring), got {config}")
+  if config.tensor_core_row_sums and not config.overlap_softmax:
+    raise ValueError(f"config.tensor_core_row_sums needs config.overlap_softmax (the sums are "
+                     f"issued with its PV), got {config}")
   if config.overlap_softmax and not config.named_schedule:
     raise ValueError(f"config.overlap_softmax needs config.named_schedule (its turns are taken on "
                      f"the named barriers), got {config}")
@@ -298,6 +310,7 @@ def _prefill_kernel(
     q_ref,  # [B, T_pad, N, H] GMEM
     k_ref,  # [B, S_pad, K, H] GMEM
     v_ref,  # [B, S_pad, K, H] GMEM
+    ones_ref,  # [8, block_kv] GMEM, all ones (tensor_core_row_sums), or None
     o_ref,  # [B, T_pad, N, H] GMEM
     lse_ref,  # [B, N, T_pad] float32 GMEM: natural-log LSE (seq minor: 1-D TMA stores)
     io_smem,  # ([2, block_q, H],) or twice that, SMEM: each consumer's Q tile, and its
@@ -309,6 +322,8 @@ def _prefill_kernel(
     q_ready,  # [2] barriers: a consumer's Q tile landed
     k_free, v_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     schedule,  # barrier, 2 arrivals: the consumers' ping-pong
+    ones_smem,  # [8, block_kv] SMEM: ones_ref's copy (tensor_core_row_sums), or None
+    ones_ready,  # barrier: ones_smem landed (tensor_core_row_sums), or None
     *,
     qk_scale: float,
     mods: ScoreMods,
@@ -331,6 +346,7 @@ def _prefill_kernel(
   q_smem, o_smem = io_smem[0], io_smem[-1]  # the same buffer unless separate_output
   separate_output = len(io_smem) == 2
   head_dim = q_ref.shape[-1]
+  row_sums_on_tensor_cores = ones_ref is not None
   wg = lax.axis_index("wg")
   # A CTA serves items item_of(0), item_of(1), ...: all CTAs but the last round's extras
   # serve num_rounds of them.
@@ -416,6 +432,8 @@ def _prefill_kernel(
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
     q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
+    if row_sums_on_tensor_cores:
+      plgpu.barrier_wait(ones_ready)
 
     def first_row(tile):
       """This consumer's first query row in a query tile."""
@@ -456,7 +474,11 @@ def _prefill_kernel(
       plgpu.barrier_wait(q_ready.at[wg])
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
-      l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+      if row_sums_on_tensor_cores:  # the sums' [block_q, 8] accumulator (all columns equal)
+        l_i = plgpu.layout_cast(jnp.zeros((block_q, ROW_SUM_COLUMNS), jnp.float32),
+                                plgpu.Layout.WGMMA)
+      else:
+        l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
       acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
 
       if not overlap_softmax:  # (with the overlap, each turn waits for its own blocks)
@@ -475,7 +497,8 @@ def _prefill_kernel(
 
       def softmax(s, m_i, l_i, j, *, masked: bool):
         """Scores s [block_q, block_kv] of key block j -> (P float32, the new running max,
-        alpha that rescales what was summed before, the new running sum)."""
+        alpha that rescales what was summed before, the new running sum; l_i as it is when
+        the tensor cores sum P)."""
         if masked:
           # Key s is visible to row r (at position p = q_base + r + shift) when s < kv_valid
           # and p - left <= s <= p + right: one or two compares per score.
@@ -502,6 +525,8 @@ def _prefill_kernel(
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_safe)
         p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
+        if row_sums_on_tensor_cores:
+          return p, m_new, alpha, l_i
         return p, m_new, alpha, l_i * alpha + p.sum(axis=1)
 
       def rescale(acc, alpha):
@@ -569,18 +594,28 @@ def _prefill_kernel(
           acc_ref, s_ref, p_ref, m_ref, l_ref, alpha_ref = refs
           plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
           plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
+          if row_sums_on_tensor_cores:
+            plgpu.wgmma(l_ref, p_prev, ones_smem.T)
           release()
-          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T landed, PV may still run
+          # QK^T landed; PV (and the row sums) may still run.
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1 + row_sums_on_tensor_cores)
           plgpu.barrier_arrive(k_free.at[slot])
           # P stays float32 here: registers that the running PV reads (p_prev) must not be
           # written before it completes, so P is converted after the wait, as in
           # FlashAttention-3. The barrier keeps the softmax ahead of that wait.
-          p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
-              softmax(s, m_i, l_i, j, masked=masked))
+          p, m_new, alpha, l_new = softmax(s, m_i, l_i, j, masked=masked)
+          if row_sums_on_tensor_cores:
+            p_ref[...], m_ref[...], alpha_ref[...] = lax.optimization_barrier((p, m_new, alpha))
+          else:
+            p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
+                (p, m_new, alpha, l_new))
 
+        l_init = plgpu.ACC.init(l_i) if row_sums_on_tensor_cores else l_i
         acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
-            (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_i, m_i))
+            (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_init, m_i))
         plgpu.barrier_arrive(v_free.at[prev])
+        if row_sums_on_tensor_cores:
+          l_new = rescale(l_new, alpha)
         return rescale(acc, alpha), m_new, l_new, p.astype(dtype)
 
       def last_pv(_, carry):
@@ -589,11 +624,15 @@ def _prefill_kernel(
         plgpu.barrier_wait(v_ready.at[slot])
         acquire()
 
-        def pv(acc_ref):
+        def pv(refs):
+          acc_ref, l_ref = refs
           plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          if row_sums_on_tensor_cores:
+            plgpu.wgmma(l_ref, p, ones_smem.T)
           release()
 
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        l_init = plgpu.ACC.init(l_i) if row_sums_on_tensor_cores else l_i
+        acc, l_i = pl.run_state(pv)((plgpu.ACC.init(acc), l_init))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_i, l_i, p
 
@@ -655,6 +694,8 @@ def _prefill_kernel(
         pl.when(next_item < num_items)(lambda: load_q(next_item))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read
                                                          # the output buffers
+      if row_sums_on_tensor_cores:
+        l_i = l_i.max(axis=1)  # its columns are equal: any one is the row sum
       # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
       # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
       attended = l_i > 0.0
@@ -690,6 +731,8 @@ def _prefill_kernel(
   @pl.when(wg == num_consumers)
   def _producer():
     plgpu.set_max_registers(producer_registers, action="decrease")
+    if row_sums_on_tensor_cores:
+      plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_ready)
 
     def produce(round_, ring):
       batch, tile, head = tile_of(item_of(round_))
@@ -816,10 +859,19 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=num_consumers),
   ]
+  operands = [q_len, kv_len, q, k, v]
+  if config.tensor_core_row_sums:
+    operands.append(jnp.ones((ROW_SUM_COLUMNS, block_kv), query.dtype))
+    scratch += [plgpu.SMEM((ROW_SUM_COLUMNS, block_kv), query.dtype, **swizzled), plgpu.Barrier()]
+
+  def mosaic_prefill(*refs):  # (the name profiles show) None for the ones when not summing
+    if config.tensor_core_row_sums:
+      return kernel(*refs)
+    return kernel(*refs[:5], None, *refs[5:], None, None)
   out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
               jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
   out, lse = plgpu.kernel(
-      kernel,
+      mosaic_prefill,
       out_type=out_type,
       scratch_types=scratch,
       grid=(num_ctas,),
@@ -831,7 +883,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       compiler_params=plgpu.CompilerParams(
           approx_math=True, reduction_scratch_bytes=0,
           unsafe_no_auto_barriers=not config.auto_barriers),
-  )(q_len, kv_len, q, k, v)
+  )(*operands)
 
   out = out[:, :seq_q]
   if not return_residual:
