@@ -54,6 +54,9 @@ FAST = dataclasses.replace(NAMED, overlap_softmax=True, separate_output=True)
 # with 64-key blocks.
 THREE = dataclasses.replace(FAST, num_consumers=3)
 THREE_64 = dataclasses.replace(THREE, block_kv=64)
+# The row sums out of PV (V transposed, with rows of ones): the d = 64 default from 8192 keys on.
+SUMMED = dataclasses.replace(FAST, tensor_core_row_sums=True)
+THREE_SUMMED = dataclasses.replace(THREE, tensor_core_row_sums=True)
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -86,6 +89,13 @@ CASES = [
     (1, 33, 70, 7, 1, 128, F16, False, THREE_64),
     (1, 129, 100, 6, 1, 128, BF16, True, THREE_64),
     (8, 120, 128, 64, 8, 64, F16, True, THREE),  # the ring handed on between one-block tiles
+    (1, 100, 1, 4, 4, 128, BF16, True, SUMMED),  # rows that see no key: their sums stay 0
+    (2, 1000, 1100, 12, 2, 128, BF16, True, SUMMED),
+    (1, 513, 777, 3, 3, 192, F16, True, dataclasses.replace(SUMMED, block_kv=64,
+                                                            separate_output=False)),
+    (1, 129, 100, 6, 1, 64, F16, True, THREE_SUMMED),  # T > S
+    (2, 100, 129, 5, 1, 64, BF16, False, THREE_SUMMED),  # T < S
+    (8, 120, 128, 64, 8, 64, BF16, True, THREE_SUMMED),
 ]
 
 
@@ -99,7 +109,8 @@ def _config_id(config):
   if config is None:
     return "default"
   flags = [name for name in ("auto_barriers", "named_schedule", "persistent", "overlap_softmax",
-                             "separate_output", "conditional_rescale") if getattr(config, name)]
+                             "separate_output", "conditional_rescale", "tensor_core_row_sums")
+           if getattr(config, name)]
   if config.num_consumers != 2:
     flags.append(f"{config.num_consumers}consumers")
   return "x".join(map(str, (config.block_q, config.block_kv, config.num_stages, *flags)))
@@ -129,6 +140,7 @@ WINDOW_CASES = [
     (2, 1000, 1000, 12, 2, 128, BF16, True, (256, 0), dataclasses.replace(NAMED, separate_output=True)),
     (2, 257, 700, 6, 2, 128, F16, True, (130, 0), THREE_64),  # later consumers' first blocks masked
     (1, 400, 400, 7, 1, 64, BF16, False, (100, 37), THREE),
+    (2, 257, 700, 6, 2, 64, F16, True, (130, 0), THREE_SUMMED),
 ]
 
 
@@ -212,6 +224,7 @@ RESCALED = C(64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=Tr
     (64, None), (128, None), (256, None), (256, dataclasses.replace(RESCALED, conditional_rescale=False)),
     (128, dataclasses.replace(FAST, conditional_rescale=True)),
     (64, C(64, 128, 2, persistent=True, conditional_rescale=True)),
+    (64, THREE_SUMMED), (128, dataclasses.replace(SUMMED, conditional_rescale=True)),
     (192, dataclasses.replace(RESCALED, named_schedule=False, overlap_softmax=False)),
 ], ids=lambda x: str(x) if isinstance(x, int) else _config_id(x))
 def test_running_max_that_jumps(head_dim, config, rng):
@@ -233,7 +246,8 @@ def test_running_max_that_jumps(head_dim, config, rng):
     dataclasses.replace(NAMED, overlap_softmax=True), dataclasses.replace(NAMED, separate_output=True),
     C(64, 128, 2, separate_output=True), C(64, 64, 3, named_schedule=True, overlap_softmax=True),
     dataclasses.replace(FAST, conditional_rescale=True), C(64, 128, 2, conditional_rescale=True),
-    THREE_64, dataclasses.replace(THREE_64, num_stages=4),
+    THREE_64, dataclasses.replace(THREE_64, num_stages=4), SUMMED,
+    dataclasses.replace(SUMMED, num_stages=3, separate_output=False),
 ], ids=_config_id)
 def test_configs(config, rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
@@ -299,7 +313,8 @@ def test_three_consumers_under_grad_and_vmap(rng):
   backward on its out and LSE) equals the Triton forward's gradients, and under jax.vmap
   equals one call per slice."""
   q, k, v = _qkv(rng, 1, 8200, 8200, 4, 1, 64, BF16)
-  assert mosaic_prefill_config(64, BF16, jaxflash.device_info(), num_keys=8200).num_consumers == 3
+  config = mosaic_prefill_config(64, BF16, jaxflash.device_info(), num_keys=8200)
+  assert config.num_consumers == 3 and config.tensor_core_row_sums
   _assert_mosaic_grads_match_triton(q, k, v, is_causal=True)
   run = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True, implementation="mosaic")
   stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v)]  # two different slices
@@ -377,7 +392,8 @@ def test_configs_fit_and_are_tuned_per_head_dim():
 
 
 def test_long_sequences_at_d64_take_three_consumers():
-  assert mosaic_prefill_config(64, BF16, H200, num_keys=8192).num_consumers == 3
+  long = mosaic_prefill_config(64, BF16, H200, num_keys=8192)
+  assert long.num_consumers == 3 and long.tensor_core_row_sums
   assert mosaic_prefill_config(64, BF16, H200, num_keys=8191).num_consumers == 2
   assert mosaic_prefill_config(64, BF16, H200).num_consumers == 2
   assert mosaic_prefill_config(128, BF16, H200, num_keys=32768).num_consumers == 2
@@ -399,12 +415,20 @@ def test_off_the_gpu_it_raises_not_implemented():
     (MosaicPrefillConfig(64, 64, 2, num_consumers=4), ValueError, "num_consumers must be 2 or 3"),
     (MosaicPrefillConfig(64, 64, 2, named_schedule=True, num_consumers=3), ValueError,
      "needs config.overlap_softmax"),
+    (MosaicPrefillConfig(64, 64, 2, named_schedule=True, tensor_core_row_sums=True), ValueError,
+     "tensor_core_row_sums needs config.overlap_softmax"),
     (jaxflash.PrefillConfig(64, 64), TypeError, "MosaicPrefillConfig"),
 ])
 def test_bad_configs_are_refused(config, error, match):
   q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(n=8))
   with pytest.raises(error, match=match):
     prefill_attention(q, k, v, config=config)
+
+
+def test_row_sums_from_pv_are_refused_above_d248():
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(head_dim=256, n=8))
+  with pytest.raises(ValueError, match=r"tensor_core_row_sums takes head dims up to 248"):
+    prefill_attention(q, k, v, config=dataclasses.replace(RESCALED, tensor_core_row_sums=True))
 
 
 def test_three_consumers_are_refused_above_d128():
@@ -427,9 +451,11 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
 @pytest.mark.parametrize("config,window", [(None, None), (NAMED, None), (SMALL, None), (None, (70, 0)),
                                            (FAST, (70, 0)), (RESCALED, (70, 0)),
                                            (C(64, 128, 2, conditional_rescale=True), None),
-                                           (THREE_64, (70, 0))],
+                                           (THREE_64, (70, 0)), (SUMMED, None),
+                                           (dataclasses.replace(THREE_SUMMED, block_kv=64), (70, 0))],
                          ids=["default", "named", "per-tile", "window", "overlap-window",
-                              "rescaled-window", "rescaled-per-tile", "three-consumers-window"])
+                              "rescaled-window", "rescaled-per-tile", "three-consumers-window",
+                              "row-sums", "three-consumers-row-sums-window"])
 @CPU_ONLY
 @NEEDS_MOSAIC
 def test_kernel_traces_on_this_jax(config, window, monkeypatch):

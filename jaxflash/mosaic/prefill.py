@@ -77,7 +77,7 @@ SCHEDULE_ID = 8  # first hardware named barrier of the ping-pong (Mosaic GPU use
 # than this (base 2: probabilities up to 2^8), as FlashAttention-4 does.
 RESCALE_THRESHOLD = 8.0
 SMEM_RESERVE = 1024  # barriers (no reduction scratch: row reductions stay inside a warp)
-ROW_SUM_COLUMNS = 8  # tensor_core_row_sums: P times a [block_kv, 8] block of ones, wgmma's least N
+ROW_SUM_COLUMNS = 8  # tensor_core_row_sums: rows of ones below V^T (wgmma's N steps by 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +114,12 @@ class MosaicPrefillConfig:
   softmax has two others' turns to hide behind instead of one, for a smaller share of the
   register file (FlashAttention-3 uses three at d = 64).
 
-  `tensor_core_row_sums` (needs the overlap): the softmax's row sums come from the tensor
-  cores, as P times a block of ones issued beside PV (an m64n8 wgmma, 1/16 of PV's work), into
-  a 64 x 8 accumulator rescaled with the output's, instead of one add a score on the CUDA
-  cores, whose instruction stream sets the pace. The sums are then those of P as rounded to
-  bf16/fp16, the very weights PV applies."""
+  `tensor_core_row_sums` (needs the overlap): the softmax's row sums come out of PV itself.
+  V is laid out transposed, [H + 8, S] per KV head with 8 rows of ones below it (one pass over
+  V before the kernel), so PV's wgmma (N = H + 8, 1/16 more work at d = 128) also writes P
+  times ones, the row sums, into 8 more accumulator columns that the online softmax rescales
+  with the rest; the CUDA cores, whose instruction stream sets the pace, skip one add a
+  score. The sums are then those of P as rounded to bf16/fp16, the very weights PV applies."""
 
   block_q: int = 64
   block_kv: int = 128
@@ -136,7 +137,7 @@ class MosaicPrefillConfig:
     row_tiles = (1 + self.separate_output) * self.num_consumers * self.block_q
     tiles = row_tiles + 2 * self.num_stages * self.block_kv
     lse = 4 * self.num_consumers * self.block_q
-    ones = itemsize * ROW_SUM_COLUMNS * self.block_kv * self.tensor_core_row_sums
+    ones = itemsize * ROW_SUM_COLUMNS * self.num_stages * self.block_kv * self.tensor_core_row_sums
     return itemsize * head_dim * tiles + lse + ones + SMEM_RESERVE
 
 
@@ -173,10 +174,12 @@ _CONFIGS = {
 # 12), TFLOP/s at 1024 / 2048 / 4096 / 8192 / 16384 / 32768 keys: 84 / 201 / 365 / 448 / 499 /
 # 527 against 123 / 291 / 381 / 441 / 469 / 479. At d = 128 (64-key blocks, since 64 x 128
 # score tiles spill in a third of the register file) 588 / 631 against 670 / 686 at 8192 /
-# 32768.
+# 32768. With the row sums from PV (2026-12-03, mosaic_sweep_overlap.log run 16; V^T's pass
+# included): d = 64 454 / 543 against 444 / 516 at 8192 / 32768; d = 128 within 1% at 8192 ...
+# 32768 and 401 against 443 at 2048, so it is not taken there.
 _LONG_SEQUENCE_CONFIGS = {
     64: (8192, C(64, 128, 2, named_schedule=True, persistent=True, overlap_softmax=True,
-                 separate_output=True, num_consumers=3)),
+                 separate_output=True, num_consumers=3, tensor_core_row_sums=True)),
 }
 
 
@@ -236,8 +239,12 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
     raise ValueError(f"config.num_consumers={config.num_consumers} needs config.overlap_softmax "
                      f"(only its schedule takes turns in a ring), got {config}")
   if config.tensor_core_row_sums and not config.overlap_softmax:
-    raise ValueError(f"config.tensor_core_row_sums needs config.overlap_softmax (the sums are "
-                     f"issued with its PV), got {config}")
+    raise ValueError(f"config.tensor_core_row_sums needs config.overlap_softmax (only its steps "
+                     f"take the sums from PV), got {config}")
+  if config.tensor_core_row_sums and head_dim + ROW_SUM_COLUMNS > 256:
+    raise ValueError(f"config.tensor_core_row_sums takes head dims up to {256 - ROW_SUM_COLUMNS} "
+                     f"(wgmma's N = head_dim + {ROW_SUM_COLUMNS} is at most 256), got "
+                     f"head_dim={head_dim}")
   if config.overlap_softmax and not config.named_schedule:
     raise ValueError(f"config.overlap_softmax needs config.named_schedule (its turns are taken on "
                      f"the named barriers), got {config}")
@@ -309,21 +316,18 @@ def _prefill_kernel(
     kv_len_ref,  # [B] int32 GMEM: key count per sequence
     q_ref,  # [B, T_pad, N, H] GMEM
     k_ref,  # [B, S_pad, K, H] GMEM
-    v_ref,  # [B, S_pad, K, H] GMEM
-    ones_ref,  # [8, block_kv] GMEM, all ones (tensor_core_row_sums), or None
+    v_ref,  # [B, S_pad, K, H] GMEM, or [B, K, H + 8, S_pad] with rows of ones (tensor_core_row_sums)
     o_ref,  # [B, T_pad, N, H] GMEM
     lse_ref,  # [B, N, T_pad] float32 GMEM: natural-log LSE (seq minor: 1-D TMA stores)
     io_smem,  # ([2, block_q, H],) or twice that, SMEM: each consumer's Q tile, and its
               # output tile (the Q tile's buffer again, unless separate_output)
     k_smem,  # [stages, block_kv, H] SMEM ring
-    v_smem,  # [stages, block_kv, H] SMEM ring
+    v_smem,  # [stages, block_kv, H] SMEM ring, or [stages, H + 8, block_kv] (tensor_core_row_sums)
     lse_smem,  # [2, block_q] float32 SMEM
     k_ready, v_ready,  # [stages] barriers: the TMA of a slot landed
     q_ready,  # [2] barriers: a consumer's Q tile landed
     k_free, v_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     schedule,  # barrier, 2 arrivals: the consumers' ping-pong
-    ones_smem,  # [8, block_kv] SMEM: ones_ref's copy (tensor_core_row_sums), or None
-    ones_ready,  # barrier: ones_smem landed (tensor_core_row_sums), or None
     *,
     qk_scale: float,
     mods: ScoreMods,
@@ -341,12 +345,18 @@ def _prefill_kernel(
     overlap_softmax: bool,
     conditional_rescale: bool,
     num_consumers: int,
+    tensor_core_row_sums: bool,
 ):
   dtype = q_ref.dtype
   q_smem, o_smem = io_smem[0], io_smem[-1]  # the same buffer unless separate_output
   separate_output = len(io_smem) == 2
   head_dim = q_ref.shape[-1]
-  row_sums_on_tensor_cores = ones_ref is not None
+  acc_columns = head_dim + ROW_SUM_COLUMNS * tensor_core_row_sums
+
+  def v_tile(slot):
+    """PV's right operand [block_kv, H] (or [block_kv, H + 8] from V^T) in ring slot `slot`."""
+    return v_smem.at[slot].T if tensor_core_row_sums else v_smem.at[slot]
+
   wg = lax.axis_index("wg")
   # A CTA serves items item_of(0), item_of(1), ...: all CTAs but the last round's extras
   # serve num_rounds of them.
@@ -432,8 +442,6 @@ def _prefill_kernel(
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
     q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
-    if row_sums_on_tensor_cores:
-      plgpu.barrier_wait(ones_ready)
 
     def first_row(tile):
       """This consumer's first query row in a query tile."""
@@ -474,12 +482,9 @@ def _prefill_kernel(
       plgpu.barrier_wait(q_ready.at[wg])
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
-      if row_sums_on_tensor_cores:  # the sums' [block_q, 8] accumulator (all columns equal)
-        l_i = plgpu.layout_cast(jnp.zeros((block_q, ROW_SUM_COLUMNS), jnp.float32),
-                                plgpu.Layout.WGMMA)
-      else:
-        l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
-      acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+      l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+      # With tensor_core_row_sums, columns H and up hold the row sums (all equal).
+      acc = plgpu.layout_cast(jnp.zeros((block_q, acc_columns), jnp.float32), plgpu.Layout.WGMMA)
 
       if not overlap_softmax:  # (with the overlap, each turn waits for its own blocks)
         @pl.when(hi > cta_lo)
@@ -498,7 +503,7 @@ def _prefill_kernel(
       def softmax(s, m_i, l_i, j, *, masked: bool):
         """Scores s [block_q, block_kv] of key block j -> (P float32, the new running max,
         alpha that rescales what was summed before, the new running sum; l_i as it is when
-        the tensor cores sum P)."""
+        PV sums P)."""
         if masked:
           # Key s is visible to row r (at position p = q_base + r + shift) when s < kv_valid
           # and p - left <= s <= p + right: one or two compares per score.
@@ -525,7 +530,7 @@ def _prefill_kernel(
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_safe)
         p = jnp.exp2(s * qk_scale - rows_bcast(m_safe, s.shape))
-        if row_sums_on_tensor_cores:
+        if tensor_core_row_sums:
           return p, m_new, alpha, l_i
         return p, m_new, alpha, l_i * alpha + p.sum(axis=1)
 
@@ -559,7 +564,7 @@ def _prefill_kernel(
         softmax_done(slot)  # the tensor cores are ours again
 
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p_tile, v_tile(slot))
 
           @pl.when(j + 1 < hi)
           def _():
@@ -593,29 +598,19 @@ def _prefill_kernel(
         def body(refs):
           acc_ref, s_ref, p_ref, m_ref, l_ref, alpha_ref = refs
           plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-          plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
-          if row_sums_on_tensor_cores:
-            plgpu.wgmma(l_ref, p_prev, ones_smem.T)
+          plgpu.wgmma(acc_ref, p_prev, v_tile(prev))
           release()
-          # QK^T landed; PV (and the row sums) may still run.
-          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1 + row_sums_on_tensor_cores)
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # QK^T landed, PV may still run
           plgpu.barrier_arrive(k_free.at[slot])
           # P stays float32 here: registers that the running PV reads (p_prev) must not be
           # written before it completes, so P is converted after the wait, as in
           # FlashAttention-3. The barrier keeps the softmax ahead of that wait.
-          p, m_new, alpha, l_new = softmax(s, m_i, l_i, j, masked=masked)
-          if row_sums_on_tensor_cores:
-            p_ref[...], m_ref[...], alpha_ref[...] = lax.optimization_barrier((p, m_new, alpha))
-          else:
-            p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
-                (p, m_new, alpha, l_new))
+          p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
+              softmax(s, m_i, l_i, j, masked=masked))
 
-        l_init = plgpu.ACC.init(l_i) if row_sums_on_tensor_cores else l_i
         acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
-            (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_init, m_i))
+            (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_i, m_i))
         plgpu.barrier_arrive(v_free.at[prev])
-        if row_sums_on_tensor_cores:
-          l_new = rescale(l_new, alpha)
         return rescale(acc, alpha), m_new, l_new, p.astype(dtype)
 
       def last_pv(_, carry):
@@ -624,15 +619,11 @@ def _prefill_kernel(
         plgpu.barrier_wait(v_ready.at[slot])
         acquire()
 
-        def pv(refs):
-          acc_ref, l_ref = refs
-          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-          if row_sums_on_tensor_cores:
-            plgpu.wgmma(l_ref, p, ones_smem.T)
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p, v_tile(slot))
           release()
 
-        l_init = plgpu.ACC.init(l_i) if row_sums_on_tensor_cores else l_i
-        acc, l_i = pl.run_state(pv)((plgpu.ACC.init(acc), l_init))
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_i, l_i, p
 
@@ -694,8 +685,8 @@ def _prefill_kernel(
         pl.when(next_item < num_items)(lambda: load_q(next_item))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read
                                                          # the output buffers
-      if row_sums_on_tensor_cores:
-        l_i = l_i.max(axis=1)  # its columns are equal: any one is the row sum
+      if tensor_core_row_sums:  # the sums' columns are equal: any one is the row sum
+        acc, l_i = acc[:, :head_dim], acc[:, head_dim:].max(axis=1)
       # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
       # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
       attended = l_i > 0.0
@@ -731,8 +722,6 @@ def _prefill_kernel(
   @pl.when(wg == num_consumers)
   def _producer():
     plgpu.set_max_registers(producer_registers, action="decrease")
-    if row_sums_on_tensor_cores:
-      plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_ready)
 
     def produce(round_, ring):
       batch, tile, head = tile_of(item_of(round_))
@@ -744,11 +733,13 @@ def _prefill_kernel(
         # The ring's (ring + j)-th load: its slot is free once both consumers released the
         # load num_stages before it (the first num_stages loads find it empty).
         load, slot = ring + j, lax.rem(ring + j, num_stages)
-        rows = (batch, pl.ds((cta_lo + j) * block_kv, block_kv), kv_head)
+        keys = pl.ds((cta_lo + j) * block_kv, block_kv)
+        rows = (batch, keys, kv_head)
+        v_rows = (batch, kv_head, slice(None), keys) if tensor_core_row_sums else rows
         pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
         pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[v_rows], v_smem.at[slot], v_ready.at[slot])
 
       return ring + (cta_hi - cta_lo)
 
@@ -841,7 +832,9 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
       group=num_heads // num_kv_heads, named_schedule=config.named_schedule,
       overlap_softmax=config.overlap_softmax,
-      conditional_rescale=config.conditional_rescale, num_consumers=num_consumers)
+      conditional_rescale=config.conditional_rescale, num_consumers=num_consumers,
+      tensor_core_row_sums=config.tensor_core_row_sums)
+  kernel.__name__ = "mosaic_prefill"  # the name profiles show
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
@@ -850,7 +843,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   scratch = [
       (row_tile, row_tile) if config.separate_output else (row_tile,),
       plgpu.SMEM((num_stages, block_kv, head_dim), key.dtype, **swizzled),
-      plgpu.SMEM((num_stages, block_kv, head_dim), value.dtype, **swizzled),
+      plgpu.SMEM((num_stages, head_dim + ROW_SUM_COLUMNS, block_kv) if config.tensor_core_row_sums
+                 else (num_stages, block_kv, head_dim), value.dtype, **swizzled),
       plgpu.SMEM((num_consumers, block_q), jnp.float32),
       plgpu.Barrier(num_barriers=num_stages),
       plgpu.Barrier(num_barriers=num_stages),
@@ -859,19 +853,14 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=num_consumers),
   ]
-  operands = [q_len, kv_len, q, k, v]
   if config.tensor_core_row_sums:
-    operands.append(jnp.ones((ROW_SUM_COLUMNS, block_kv), query.dtype))
-    scratch += [plgpu.SMEM((ROW_SUM_COLUMNS, block_kv), query.dtype, **swizzled), plgpu.Barrier()]
-
-  def mosaic_prefill(*refs):  # (the name profiles show) None for the ones when not summing
-    if config.tensor_core_row_sums:
-      return kernel(*refs)
-    return kernel(*refs[:5], None, *refs[5:], None, None)
+    # V^T [B, K, H + 8, S_pad] with 8 rows of ones: PV then yields P's row sums too.
+    ones = jnp.ones((batch, num_kv_heads, ROW_SUM_COLUMNS, seq_kv_pad), v.dtype)
+    v = jnp.concatenate([jnp.transpose(v, (0, 2, 3, 1)), ones], axis=2)
   out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
               jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
   out, lse = plgpu.kernel(
-      mosaic_prefill,
+      kernel,
       out_type=out_type,
       scratch_types=scratch,
       grid=(num_ctas,),
@@ -883,7 +872,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       compiler_params=plgpu.CompilerParams(
           approx_math=True, reduction_scratch_bytes=0,
           unsafe_no_auto_barriers=not config.auto_barriers),
-  )(*operands)
+  )(q_len, kv_len, q, k, v)
 
   out = out[:, :seq_q]
   if not return_residual:
