@@ -28,6 +28,8 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
   2^8; a warp whose rows all kept theirs skips the multiply.
 * For d <= 128 the output tile has a shared-memory buffer of its own, so the next tile's
   Q load is issued before this tile's epilogue instead of after its store.
+* Row sums out of PV (d = 64 from 8192 keys): with V transposed and 8 rows of ones below
+  it, PV's wgmma also writes P's row sums, and the CUDA cores skip one add a score.
 * Online softmax in base 2 with the scale folded into one multiply-add (scores times
   scale * log2 e, minus the running max), exp2 lowered to ex2.approx; the output is divided
   by the running sum once, at the end (FlashAttention-2, section 3.1.1).
