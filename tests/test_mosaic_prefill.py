@@ -247,7 +247,7 @@ def test_running_max_that_jumps(head_dim, config, rng):
     C(64, 128, 2, separate_output=True), C(64, 64, 3, named_schedule=True, overlap_softmax=True),
     dataclasses.replace(FAST, conditional_rescale=True), C(64, 128, 2, conditional_rescale=True),
     THREE_64, dataclasses.replace(THREE_64, num_stages=4), SUMMED,
-    dataclasses.replace(SUMMED, num_stages=3, separate_output=False),
+    C(64, 64, 3, named_schedule=True, overlap_softmax=True, tensor_core_row_sums=True),
 ], ids=_config_id)
 def test_configs(config, rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
