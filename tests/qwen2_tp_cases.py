@@ -1,10 +1,11 @@
 """Tensor-parallel Qwen2 cases (models/qwen2/parallel.py) against the single-device model.
 
 Forced host devices must be set before JAX starts, so tests/test_qwen2_tp.py runs this
-module in a subprocess and reads the JSON it prints last:
+module in a subprocess on four of them and reads the JSON it prints last (the 2-device
+cases on the first two, the 4-device ones on all four):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
-        python -m tests.qwen2_tp_cases 4
+        python -m tests.qwen2_tp_cases
 
 The tiny float32 config has 4 query heads and 2 KV heads, so 2 devices split the KV heads
 as they are and 4 devices repeat them (one a device). On a multi-GPU host `run` is called
@@ -86,9 +87,21 @@ def _param_specs(model) -> dict:
   return out
 
 
+@functools.cache
+def _forward_function(graphdef):
+  """The jitted forward pass of models of this structure (one compilation per structure)."""
+  return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+
+
 def _forward(model, ids):
   graphdef, state = nnx.split(model)
-  return jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)
+  return _forward_function(graphdef)(state, ids)
+
+
+@functools.cache
+def _single_device_model(device):
+  """test_model() on `device`: the reference of every mesh (made once per device)."""
+  return jax.device_put(test_model(), device)
 
 
 def _collectives(hlo: str) -> list[dict]:
@@ -132,7 +145,8 @@ def _decode_step(sampler, cache_kind: str):
   compiled = step.func.lower(*args, **step.keywords).compile()
   skinny = "jaxflash_skinny_matmul" in str(jax.make_jaxpr(step)(*args))
   before = jax.tree.map(lambda x: x.sharding, state.cache)
-  after = jax.tree.map(lambda x: x.sharding, sampler.decode(state, eos, greedy).cache)
+  # The step run is the program compiled above (sampler.decode would compile it again).
+  after = jax.tree.map(lambda x: x.sharding, compiled(*args).cache)
   return created, pool_shape, before, after, compiled.as_text(), skinny
 
 
@@ -144,7 +158,7 @@ def run(devices=None, data_parallel: bool = False) -> dict:
   else:
     mesh = Mesh(np.asarray(devices), ("model",))
   tp_degree = mesh.shape["model"]
-  single = jax.device_put(test_model(), devices[0])
+  single = _single_device_model(devices[0])
   sharded = qwen2.shard_model(single, mesh, data_axis="data" if data_parallel else None)
   result: dict = dict(devices=d, tp=tp_degree, data_parallel=data_parallel,
                       kv_heads=sharded.config.num_key_value_heads,
@@ -191,9 +205,11 @@ def direct_random_model(devices=None) -> tuple[float, bool]:
 
 
 if __name__ == "__main__":
-  out = {"tp": run()}
-  if len(jax.devices()) == 4:  # a 2 x 2 mesh: batch over "data", heads over "model"
-    out["dp_tp"] = run(data_parallel=True)
-  else:
-    out["direct_random"] = direct_random_model()
+  # {device count: results}. One process for both counts: the single-device reference and
+  # its compilations serve every mesh.
+  devices = jax.devices()
+  assert len(devices) == 4, f"run with 4 forced host devices, not {len(devices)}"
+  out = {2: {"tp": run(devices[:2]), "direct_random": direct_random_model(devices[:2])},
+         # and a 2 x 2 mesh: batch over "data", heads over "model"
+         4: {"tp": run(devices), "dp_tp": run(devices, data_parallel=True)}}
   print(json.dumps(out))

@@ -5,9 +5,9 @@ or cache between devices (its only collectives: the all-reduces after o_proj and
 down_proj, and the small all-gathers of the vocabulary-split argmax). Its projections run
 jaxflash.skinny_matmul on each device's weight shard.
 
-CPU: forced host devices, set before JAX starts, so the cases run in subprocesses
-(tests/qwen2_tp_cases.py), the 2- and 4-device ones at once (compilation is single-
-threaded). GPU: in-process on 2 GPUs.
+CPU: forced host devices, set before JAX starts, so the cases run in a subprocess
+(tests/qwen2_tp_cases.py) with four, the 2-device meshes on the first two. GPU: in-process
+on 2 GPUs.
 """
 from __future__ import annotations
 
@@ -31,19 +31,16 @@ DEVICE_COUNTS = (2, 4)
 
 @pytest.fixture(scope="module")
 def cpu_results():
-  """{device count: the JSON of `python -m tests.qwen2_tp_cases`}, run concurrently."""
-  procs = {}
-  for count in DEVICE_COUNTS:
-    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    procs[count] = subprocess.Popen([sys.executable, "-m", "tests.qwen2_tp_cases"], cwd=ROOT,
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True)
-  results = {}
-  for count, proc in procs.items():
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-4000:]
-    results[count] = json.loads(out.strip().splitlines()[-1])
+  """{device count: its results}, the JSON of `python -m tests.qwen2_tp_cases` on four
+  forced host devices."""
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", "tests.qwen2_tp_cases"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  results = {int(count): result for count, result in results.items()}
+  assert sorted(results) == list(DEVICE_COUNTS)
   return results
 
 
