@@ -2,11 +2,23 @@
 
 `pytest` on a machine without a GPU deselects the compiled half (marker `gpu`);
 `pytest -m gpu` on a GPU runs only the compiled half.
+
+On the CPU the suite is mostly XLA compilation (the interpreted kernels make large
+programs), so two things keep a compilation from being paid twice:
+- a JAX persistent compilation cache for the session (a temporary directory that every
+  pytest-xdist worker shares, removed at the end; JAXFLASH_TEST_COMPILATION_CACHE names
+  another directory to keep, or set empty turns it off);
+- under `pytest -n N` (pytest-xdist's `load` scheduling) the tests of each module in
+  SHARED_STATE_MODULES go to one worker together: their module-scoped models, checkpoints
+  and jitted steps are built once, not once per worker. Other tests are handed out one by
+  one, as `load` does.
 """
 from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +39,56 @@ def _mosaic_prefill_runs() -> bool:
 # skipped with the reason.
 SM90_ONLY = pytest.mark.skipif(HAS_GPU and not _mosaic_prefill_runs(),
                                reason="the Mosaic prefill needs an sm_90 GPU")
+
+
+COMPILATION_CACHE_ENV = "JAXFLASH_TEST_COMPILATION_CACHE"
+# Compilations that take at least this long go to the persistent cache (shorter ones are
+# cheaper to redo than to hash, write and read back).
+MIN_CACHED_COMPILE_SECONDS = 0.5
+_CREATED_CACHE = pytest.StashKey[str]()
+
+# Modules whose tests share state that is costly to build (models, checkpoints, jitted
+# steps, a subprocess's results): under pytest-xdist each runs on one worker.
+SHARED_STATE_MODULES = ("test_qwen2_model.py", "test_qwen2_parity.py", "test_qwen2_tp.py",
+                        "test_qwen2_window.py", "test_serving.py")
+
+
+def pytest_configure(config):
+  """The persistent compilation cache (CPU only): made by the main process (xdist's
+  controller, or the only one), whose environment the xdist workers inherit."""
+  if not hasattr(config, "workerinput"):
+    if not HAS_GPU and COMPILATION_CACHE_ENV not in os.environ:
+      directory = tempfile.mkdtemp(prefix="jaxflash_compilation_cache_")
+      config.stash[_CREATED_CACHE] = directory
+      os.environ[COMPILATION_CACHE_ENV] = directory  # inherited by the xdist workers
+  directory = os.environ.get(COMPILATION_CACHE_ENV)
+  if not HAS_GPU and directory and jax.config.jax_compilation_cache_dir is None:
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_SECONDS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """pytest-xdist's `load` scheduling (the default of -n), except that each module of
+  SHARED_STATE_MODULES is one unit of work. (Its `loadgroup` mode would do this with
+  `xdist_group` marks, but it renames test ids, which pytest 9 no longer allows.)"""
+  if config.getoption("dist") != "load":
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class SharedStateModules(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      module = nodeid.split("::", 1)[0]
+      return module if os.path.basename(module) in SHARED_STATE_MODULES else nodeid
+
+  return SharedStateModules(config, log)
+
+
+def pytest_unconfigure(config):
+  directory = config.stash.get(_CREATED_CACHE, None)
+  if directory is not None:
+    shutil.rmtree(directory, ignore_errors=True)
+    os.environ.pop(COMPILATION_CACHE_ENV, None)
 
 
 def _runs_here(item) -> bool:
