@@ -16,8 +16,12 @@ programs), so two things keep a compilation from being paid twice:
 from __future__ import annotations
 
 import gc
+import json
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -110,6 +114,22 @@ def pytest_collection_modifyitems(config, items):
   if drop:
     config.hook.pytest_deselected(items=drop)
     items[:] = keep
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FORCED_CPU_DEVICES = 4
+
+
+def run_on_forced_cpu_devices(module: str, *args: str):
+  """`python -m module args` on FORCED_CPU_DEVICES host devices (a CPU process gets more than
+  one device only from a flag read when JAX starts, hence the subprocess); its last line of
+  output, parsed as JSON."""
+  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={FORCED_CPU_DEVICES}"
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 MAX_MEMORY_MAPS = 20_000  # Linux refuses more than vm.max_map_count (65530 by default)

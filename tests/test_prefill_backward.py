@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import chex
 import jax
@@ -25,12 +21,12 @@ import pytest
 import jaxflash
 from jaxflash import BackwardConfig, PrefillConfig
 from jaxflash.prefill import prefill_attention  # the Pallas-Triton kernel itself
-from tests.conftest import SM90_ONLY, d_scale_limit, poison_allocator, random_array
+from tests.conftest import (SM90_ONLY, d_scale_limit, poison_allocator, random_array,
+                            run_on_forced_cpu_devices)
 from tests.reference_np import attention_f64
 
 SMALL = dict(config=PrefillConfig(16, 16), backward_config=BackwardConfig(16, 16))
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # error <= MULTIPLE * (plain XLA attention's error in the same dtype) + EPS * max |grad|
 MULTIPLE = 3.0
 EPS = {jnp.dtype(F32): 1e-5, jnp.dtype(F16): 2e-3, jnp.dtype(BF16): 1e-2}
@@ -453,12 +449,7 @@ def test_sharded_gradients_cpu_mesh():
   """On 4 forced CPU devices: gradients keep the inputs' batch/head splits, match one
   device's, and the compiled program has no all-gather, also with a bias, sinks, a window
   and a soft-cap (subprocess: see `_sharded_cases`)."""
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "tests.test_prefill_backward"], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  results = run_on_forced_cpu_devices("tests.test_prefill_backward")
   assert {r["layout"] for r in results} == {"heads", "both", "kv_replicated", "options"}
   for r in results:
     assert r["err"] <= 2e-5, r

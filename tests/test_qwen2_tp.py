@@ -11,20 +11,15 @@ on 2 GPUs.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from models import qwen2
+from tests.conftest import run_on_forced_cpu_devices
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 LOGITS_TOLERANCE = 2e-5  # float32 relative to the largest logit: all-reduce sums in another order
 DEVICE_COUNTS = (2, 4)
 
@@ -33,12 +28,7 @@ DEVICE_COUNTS = (2, 4)
 def cpu_results():
   """{device count: its results}, the JSON of `python -m tests.qwen2_tp_cases` on four
   forced host devices."""
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "tests.qwen2_tp_cases"], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  results = run_on_forced_cpu_devices("tests.qwen2_tp_cases")
   results = {int(count): result for count, result in results.items()}
   assert sorted(results) == list(DEVICE_COUNTS)
   return results

@@ -9,19 +9,13 @@ on however many GPUs the host has (2 or more).
 """
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jaxflash
+from tests.conftest import run_on_forced_cpu_devices
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = ("prefill", "decode", "paged", "paged_prefill")
 TOLERANCE = 2e-5  # float32; the kernels see other shapes per shard (other KV splits)
 
@@ -46,12 +40,7 @@ def _check(results):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_sharded_cpu_mesh(kernel):
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "tests.sharding_cases", kernel], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  results = run_on_forced_cpu_devices("tests.sharding_cases", kernel)
   assert {r["layout"] for r in results["layouts"]} >= {"heads", "batch", "both", "replicated"}
   _check(results["layouts"])
   if kernel == "decode":  # jax.vmap still works where the call is custom-partitioned
