@@ -5,8 +5,8 @@
 
 On the CPU the suite is mostly XLA compilation (the interpreted kernels make large
 programs), so two things keep a compilation from being paid twice:
-- a JAX persistent compilation cache for the session (a temporary directory that every
-  pytest-xdist worker shares, removed at the end; JAXFLASH_TEST_COMPILATION_CACHE names
+- a JAX persistent compilation cache for the whole pytest run (a temporary directory that
+  every pytest-xdist worker shares, removed at the end; JAXFLASH_TEST_COMPILATION_CACHE names
   another directory to keep, or set empty turns it off);
 - under `pytest -n N` (pytest-xdist's `load` scheduling) the tests of each module in
   SHARED_STATE_MODULES go to one worker together: their module-scoped models, checkpoints
@@ -124,7 +124,8 @@ def run_on_forced_cpu_devices(module: str, *args: str):
   """`python -m module args` on FORCED_CPU_DEVICES host devices (a CPU process gets more than
   one device only from a flag read when JAX starts, hence the subprocess); its last line of
   output, parsed as JSON."""
-  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={FORCED_CPU_DEVICES}"
+  flags = (os.environ.get("XLA_FLAGS", "")
+           + f" --xla_force_host_platform_device_count={FORCED_CPU_DEVICES}")
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
