@@ -49,15 +49,17 @@ def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
   """'64x128x3' -> block_q 64, block_kv 128, 3 stages; a trailing 'a' turns Pallas' automatic
   barriers on (the A/B of `auto_barriers`), a trailing 'n' the named-barrier ping-pong, 'p'
   the persistent grid, 'o' the intra-warpgroup overlap, 's' a separate output buffer, 'c'
-  conditional rescaling, 'w' three consumer warpgroups, 'r' row sums on the tensor cores."""
+  conditional rescaling, 'w' three consumer warpgroups, 'r' row sums on the tensor cores, 'f' the
+  fixed softmax reference."""
   flags = text.split("x")[-1].lstrip("0123456789")
-  block_q, block_kv, stages = (int(x.rstrip("anopscwr")) for x in text.split("x"))
+  block_q, block_kv, stages = (int(x.rstrip("anopscwrf")) for x in text.split("x"))
   return mosaic.MosaicPrefillConfig(block_q, block_kv, stages, auto_barriers="a" in flags,
                                     named_schedule="n" in flags, persistent="p" in flags,
                                     overlap_softmax="o" in flags, separate_output="s" in flags,
                                     conditional_rescale="c" in flags,
                                     num_consumers=3 if "w" in flags else 2,
-                                    tensor_core_row_sums="r" in flags)
+                                    tensor_core_row_sums="r" in flags,
+                                    fixed_reference="f" in flags)
 
 
 def mosaic_fn(config=None):

@@ -57,6 +57,9 @@ THREE_64 = dataclasses.replace(THREE, block_kv=64)
 # The row sums out of PV (V transposed, with rows of ones): the d = 64 default from 8192 keys on.
 SUMMED = dataclasses.replace(FAST, tensor_core_row_sums=True)
 THREE_SUMMED = dataclasses.replace(THREE, tensor_core_row_sums=True)
+# The fixed softmax reference (bf16 only), with the second pass for the tiles that overflow.
+FIXED = dataclasses.replace(FAST, fixed_reference=True)
+THREE_SUMMED_FIXED = dataclasses.replace(THREE_SUMMED, fixed_reference=True)
 CASES = [
     (1, 1, 1, 1, 1, 64, BF16, True, None),
     (1, 17, 17, 2, 1, 64, BF16, True, SMALL),
@@ -96,6 +99,14 @@ CASES = [
     (1, 129, 100, 6, 1, 64, F16, True, THREE_SUMMED),  # T > S
     (2, 100, 129, 5, 1, 64, BF16, False, THREE_SUMMED),  # T < S
     (8, 120, 128, 64, 8, 64, BF16, True, THREE_SUMMED),
+    (1, 129, 100, 6, 1, 128, BF16, True, FIXED),  # T > S: rows that see no key
+    (2, 100, 129, 5, 1, 128, BF16, True, FIXED),  # T < S
+    (1, 33, 70, 7, 1, 128, BF16, False, FIXED),
+    (2, 1000, 1100, 12, 2, 128, BF16, True, FIXED),
+    (1, 100, 1, 4, 4, 128, BF16, True, FIXED),
+    (8, 120, 128, 64, 8, 64, BF16, True, THREE_SUMMED_FIXED),
+    (1, 513, 777, 3, 3, 192, BF16, True, dataclasses.replace(FIXED, block_kv=64,
+                                                             separate_output=False)),
 ]
 
 
@@ -109,7 +120,8 @@ def _config_id(config):
   if config is None:
     return "default"
   flags = [name for name in ("auto_barriers", "named_schedule", "persistent", "overlap_softmax",
-                             "separate_output", "conditional_rescale", "tensor_core_row_sums")
+                             "separate_output", "conditional_rescale", "tensor_core_row_sums",
+                             "fixed_reference")
            if getattr(config, name)]
   if config.num_consumers != 2:
     flags.append(f"{config.num_consumers}consumers")
@@ -141,6 +153,7 @@ WINDOW_CASES = [
     (2, 257, 700, 6, 2, 128, F16, True, (130, 0), THREE_64),  # later consumers' first blocks masked
     (1, 400, 400, 7, 1, 64, BF16, False, (100, 37), THREE),
     (2, 257, 700, 6, 2, 64, F16, True, (130, 0), THREE_SUMMED),
+    (2, 257, 700, 6, 2, 128, BF16, True, (130, 0), FIXED),  # (a window keeps the running max)
 ]
 
 
@@ -225,6 +238,7 @@ RESCALED = C(64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=Tr
     (128, dataclasses.replace(FAST, conditional_rescale=True)),
     (64, C(64, 128, 2, persistent=True, conditional_rescale=True)),
     (64, THREE_SUMMED), (128, dataclasses.replace(SUMMED, conditional_rescale=True)),
+    (128, FIXED), (64, THREE_SUMMED_FIXED), (256, dataclasses.replace(RESCALED, fixed_reference=True)),
     (192, dataclasses.replace(RESCALED, named_schedule=False, overlap_softmax=False)),
 ], ids=lambda x: str(x) if isinstance(x, int) else _config_id(x))
 def test_running_max_that_jumps(head_dim, config, rng):
@@ -240,6 +254,24 @@ def test_running_max_that_jumps(head_dim, config, rng):
 
 @gpu
 @SM90_ONLY
+@pytest.mark.parametrize("head_dim,config", [
+    (128, FIXED), (64, THREE_SUMMED_FIXED), (256, dataclasses.replace(RESCALED, fixed_reference=True)),
+], ids=lambda x: str(x) if isinstance(x, int) else _config_id(x))
+def test_fixed_reference_overflow_is_recomputed(head_dim, config, rng):
+  """Keys that score 2^200 and more above a row's first key block overflow the fixed
+  reference: those tiles, and only those, are recomputed with the running max (sequence 0
+  overflows from key 700 on, sequence 1 never), and every row matches float64."""
+  q, k, v = _qkv(rng, 2, 900, 900, 6, 2, head_dim, BF16)
+  q = (q.astype(F32) + 1.0).astype(BF16)  # queries lean towards the all-ones direction
+  k = k.at[0, 700:].add(30.0)  # scores of ~ 30 * sum(q) * scale there
+  out, lse = _run(q, k, v, jnp.array([900, 900], jnp.int32), jnp.array([900, 900], jnp.int32),
+                  is_causal=True, config=config)
+  _check(out, lse, q, k, v, is_causal=True)
+  assert np.isfinite(np.asarray(lse)).all()
+
+
+@gpu
+@SM90_ONLY
 @pytest.mark.parametrize("config", [
     C(64, 128, 2), C(64, 64, 4), C(64, 192, 2), C(64, 128, 2, auto_barriers=True),
     C(64, 128, 2, named_schedule=True), NAMED, C(64, 128, 2, persistent=True), FAST,
@@ -248,6 +280,7 @@ def test_running_max_that_jumps(head_dim, config, rng):
     dataclasses.replace(FAST, conditional_rescale=True), C(64, 128, 2, conditional_rescale=True),
     THREE_64, dataclasses.replace(THREE_64, num_stages=4), SUMMED,
     C(64, 64, 3, named_schedule=True, overlap_softmax=True, tensor_core_row_sums=True),
+    FIXED, dataclasses.replace(FIXED, persistent=False),
 ], ids=_config_id)
 def test_configs(config, rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
@@ -308,13 +341,18 @@ def test_vmap_over_a_leading_axis(rng):
 
 @gpu
 @SM90_ONLY
-def test_three_consumers_under_grad_and_vmap(rng):
-  """The three-consumer default of long sequences at d = 64 under jax.grad (the Triton
-  backward on its out and LSE) equals the Triton forward's gradients, and under jax.vmap
-  equals one call per slice."""
-  q, k, v = _qkv(rng, 1, 8200, 8200, 4, 1, 64, BF16)
-  config = mosaic_prefill_config(64, BF16, jaxflash.device_info(), num_keys=8200)
-  assert config.num_consumers == 3 and config.tensor_core_row_sums
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_long_sequence_defaults_under_grad_and_vmap(head_dim, rng):
+  """The long-sequence defaults (three consumers with the row sums from PV at d = 64, the
+  fixed reference and its second pass at d = 128) under jax.grad (the Triton backward on
+  their out and LSE) equal the Triton forward's gradients, and under jax.vmap equal one call
+  per slice."""
+  q, k, v = _qkv(rng, 1, 8200, 8200, 4, 1, head_dim, BF16)
+  config = mosaic_prefill_config(head_dim, BF16, jaxflash.device_info(), num_keys=8200)
+  if head_dim == 64:
+    assert config.num_consumers == 3 and config.tensor_core_row_sums
+  else:
+    assert config.fixed_reference
   _assert_mosaic_grads_match_triton(q, k, v, is_causal=True)
   run = lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True, implementation="mosaic")
   stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v)]  # two different slices
@@ -400,6 +438,13 @@ def test_long_sequences_at_d64_take_three_consumers():
   assert mosaic_prefill_config(256, BF16, H200, num_keys=32768).num_consumers == 2
 
 
+@pytest.mark.parametrize("head_dim,min_keys", [(64, 8192), (128, 4096), (192, 2048), (256, 2048)])
+def test_long_sequences_take_the_fixed_reference_in_bf16(head_dim, min_keys):
+  assert mosaic_prefill_config(head_dim, BF16, H200, num_keys=min_keys).fixed_reference
+  assert not mosaic_prefill_config(head_dim, BF16, H200, num_keys=min_keys - 1).fixed_reference
+  assert not mosaic_prefill_config(head_dim, F16, H200, num_keys=32768).fixed_reference
+
+
 @CPU_ONLY
 def test_off_the_gpu_it_raises_not_implemented():
   q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(n=8))
@@ -417,12 +462,20 @@ def test_off_the_gpu_it_raises_not_implemented():
      "needs config.overlap_softmax"),
     (MosaicPrefillConfig(64, 64, 2, named_schedule=True, tensor_core_row_sums=True), ValueError,
      "tensor_core_row_sums needs config.overlap_softmax"),
+    (MosaicPrefillConfig(64, 64, 2, named_schedule=True, fixed_reference=True), ValueError,
+     "fixed_reference needs config.overlap_softmax"),
     (jaxflash.PrefillConfig(64, 64), TypeError, "MosaicPrefillConfig"),
 ])
 def test_bad_configs_are_refused(config, error, match):
   q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(n=8))
   with pytest.raises(error, match=match):
     prefill_attention(q, k, v, config=config)
+
+
+def test_fixed_reference_is_refused_for_float16():
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _shapes(F16, n=8))
+  with pytest.raises(ValueError, match="fixed_reference takes bfloat16 only, got float16"):
+    prefill_attention(q, k, v, config=FIXED)
 
 
 def test_row_sums_from_pv_are_refused_above_d248():
@@ -452,10 +505,13 @@ def test_bad_inputs_name_the_argument(shapes, error, match):
                                            (FAST, (70, 0)), (RESCALED, (70, 0)),
                                            (C(64, 128, 2, conditional_rescale=True), None),
                                            (THREE_64, (70, 0)), (SUMMED, None),
-                                           (dataclasses.replace(THREE_SUMMED, block_kv=64), (70, 0))],
+                                           (dataclasses.replace(THREE_SUMMED, block_kv=64), (70, 0)),
+                                           (FIXED, None),
+                                           (dataclasses.replace(THREE_SUMMED_FIXED, block_kv=64), None)],
                          ids=["default", "named", "per-tile", "window", "overlap-window",
                               "rescaled-window", "rescaled-per-tile", "three-consumers-window",
-                              "row-sums", "three-consumers-row-sums-window"])
+                              "row-sums", "three-consumers-row-sums-window", "fixed-reference",
+                              "three-consumers-fixed-reference"])
 @CPU_ONLY
 @NEEDS_MOSAIC
 def test_kernel_traces_on_this_jax(config, window, monkeypatch):

@@ -121,7 +121,15 @@ class MosaicPrefillConfig:
   V before the kernel), so PV's wgmma (N = H + 8, 1/16 more work at d = 128) also writes P
   times ones, the row sums, into 8 more accumulator columns that the online softmax rescales
   with the rest; the CUDA cores, whose instruction stream sets the pace, skip one add a
-  score. The sums are then those of P as rounded to bf16/fp16, the very weights PV applies."""
+  score. The sums are then those of P as rounded to bf16/fp16, the very weights PV applies.
+
+  `fixed_reference` (needs the overlap): in the key blocks every row of a consumer sees
+  whole, the exponentials subtract a reference fixed by the tile's first key block instead
+  of the running max, so those steps compute no row max and never rescale the accumulator
+  (the softmax is the same for any reference; FlashAttention-2's running max only keeps
+  exp2 in range). Rows whose probabilities then overflow float32 (a later score above the
+  first block's largest by 2^128, or P V past float32's range) are flagged and recomputed,
+  with the running max, by a second pass over the flagged tiles alone."""
 
   block_q: int = 64
   block_kv: int = 128
@@ -134,6 +142,7 @@ class MosaicPrefillConfig:
   conditional_rescale: bool = False
   num_consumers: int = NUM_CONSUMERS
   tensor_core_row_sums: bool = False
+  fixed_reference: bool = False
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
     row_tiles = (1 + self.separate_output) * self.num_consumers * self.block_q
@@ -178,10 +187,19 @@ _CONFIGS = {
 # score tiles spill in a third of the register file) 588 / 631 against 670 / 686 at 8192 /
 # 32768. With the row sums from PV (2026-12-03, mosaic_sweep_overlap.log run 16; V^T's pass
 # included): d = 64 454 / 543 against 444 / 516 at 8192 / 32768; d = 128 within 1% at 8192 ...
-# 32768 and 401 against 443 at 2048, so it is not taken there.
+# 32768 and 401 against 443 at 2048, so it is not taken there. The fixed reference (bf16 only;
+# its second pass included; mosaic_sweep_overlap.log run 19, 2026-12-03), against the entries
+# without it, at 2048 / 4096 / 8192 / 16384 / 32768 keys: d = 128 416 / 586 / 718 / 764 / 736
+# against 431 / 553 / 663 / 696 / 655; d = 256 515 / 644 / 791 / 798 / 769 against 497 / 601 /
+# 726 / 708 / 681; d = 64 (three consumers) 497 / 590 / 617 against 454 / 520 / 537 from 8192.
 _LONG_SEQUENCE_CONFIGS = {
     64: (8192, C(64, 128, 2, named_schedule=True, persistent=True, overlap_softmax=True,
-                 separate_output=True, num_consumers=3, tensor_core_row_sums=True)),
+                 separate_output=True, num_consumers=3, tensor_core_row_sums=True,
+                 fixed_reference=True)),
+    128: (4096, C(64, 128, 2, named_schedule=True, persistent=True, overlap_softmax=True,
+                  separate_output=True, fixed_reference=True)),
+    256: (2048, C(64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=True,
+                  conditional_rescale=True, fixed_reference=True)),
 }
 
 
@@ -210,6 +228,8 @@ def mosaic_prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None,
     if num_keys >= min_keys:
       candidates.insert(0, long_config)
   for config in candidates:
+    if config.fixed_reference and jnp.dtype(dtype) != jnp.bfloat16:
+      config = dataclasses.replace(config, fixed_reference=False)
     if config.smem_bytes(head_dim, itemsize) <= info.smem_per_block:
       return config
   raise ValueError(f"no Mosaic prefill config fits {info.name}'s {info.smem_per_block} bytes of "
@@ -247,6 +267,13 @@ def _check_config(config, head_dim: int, dtype, info: DeviceInfo) -> None:
     raise ValueError(f"config.tensor_core_row_sums takes head dims up to {256 - ROW_SUM_COLUMNS} "
                      f"(wgmma's N = head_dim + {ROW_SUM_COLUMNS} is at most 256), got "
                      f"head_dim={head_dim}")
+  if config.fixed_reference and not config.overlap_softmax:
+    raise ValueError(f"config.fixed_reference needs config.overlap_softmax (only its steps keep "
+                     f"the reference), got {config}")
+  if config.fixed_reference and jnp.dtype(dtype) != jnp.bfloat16:
+    # Probabilities far below the reference would fall into float16's subnormals (and above
+    # it, past 65504), where bfloat16 keeps float32's exponent range.
+    raise ValueError(f"config.fixed_reference takes bfloat16 only, got {jnp.dtype(dtype).name}")
   if config.overlap_softmax and not config.named_schedule:
     raise ValueError(f"config.overlap_softmax needs config.named_schedule (its turns are taken on "
                      f"the named barriers), got {config}")
@@ -331,6 +358,7 @@ def _prefill_kernel(
     k_free, v_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     schedule,  # barrier, 2 arrivals: the consumers' ping-pong
     *,
+    retry_ref=None,  # [B, N, num_q_tiles] int32 GMEM, the second pass only: tiles to recompute
     qk_scale: float,
     mods: ScoreMods,
     block_q: int,
@@ -348,12 +376,17 @@ def _prefill_kernel(
     conditional_rescale: bool,
     num_consumers: int,
     tensor_core_row_sums: bool,
+    fixed_reference: bool,
 ):
   dtype = q_ref.dtype
   q_smem, o_smem = io_smem[0], io_smem[-1]  # the same buffer unless separate_output
   separate_output = len(io_smem) == 2
   head_dim = q_ref.shape[-1]
   acc_columns = head_dim + ROW_SUM_COLUMNS * tensor_core_row_sums
+
+  # The fixed reference needs every row to have seen a key before its first unmasked block;
+  # with a window's left edge a row may not have.
+  fixed = fixed_reference and mods.left is None
 
   def v_tile(slot):
     """PV's right operand [block_kv, H] (or [block_kv, H + 8] from V^T) in ring slot `slot`."""
@@ -372,6 +405,7 @@ def _prefill_kernel(
     return round_ * num_ctas + jnp.where(lax.rem(round_, 2) == 0, cta, num_ctas - 1 - cta)
 
   num_rounds_here = num_rounds - 1 + (item_of(num_rounds - 1) < num_items).astype(jnp.int32)
+  retry = retry_ref is not None
 
   def tile_of(item):
     """item -> (batch, query tile, head). Items run the longest (causal) query tiles first,
@@ -403,6 +437,16 @@ def _prefill_kernel(
     blocks = [bounds(batch, cta_base + w * block_q if w else cta_base)[0]  # (no "+ 0" op)
               for w in range(num_consumers)]
     return blocks[0][0], functools.reduce(jnp.maximum, [b[3] for b in blocks])
+
+  def item_blocks(round_):
+    """The key blocks this CTA loads for its item in `round_`: how many, and from which.
+    The second pass (retry_ref) loads none for the tiles it skips."""
+    batch, tile, head = tile_of(item_of(round_))
+    cta_lo, cta_hi = cta_bounds(batch, tile)
+    count = cta_hi - cta_lo
+    if retry:
+      count = jnp.where(retry_ref[(batch * num_heads + head) * num_q_tiles + tile] != 0, count, 0)
+    return count, cta_lo
 
   # The ping-pong, per step of each consumer: `issued` once its QK^T is issued (the other
   # consumer may now run its PV), `softmax_done` before its own PV.
@@ -454,7 +498,8 @@ def _prefill_kernel(
       q_rows = pl.ds(first_row(tile), block_q)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, q_rows, head], q_tile, q_ready.at[wg])
 
-    load_q(item_of(0))
+    if not retry:  # (the second pass loads each tile's Q as it takes the tile)
+      load_q(item_of(0))
 
     def iota(shape, dim):
       return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
@@ -467,8 +512,19 @@ def _prefill_kernel(
     def attend(round_, ring):
       """One query tile. `ring`: key blocks this CTA consumed before it (ring slot and
       barrier phase continue from there)."""
+      count, _ = item_blocks(round_)
+      if retry:
+        pl.when(count > 0)(lambda: attend_tile(round_, ring))
+      else:
+        attend_tile(round_, ring)
+      return ring + count
+
+    def attend_tile(round_, ring):
       item = item_of(round_)
       batch, tile, head = tile_of(item)
+      if retry:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the buffers
+        load_q(item)
       q_base = first_row(tile)
       cta_lo, cta_hi = cta_bounds(batch, tile)
       # All consumers start at cta_lo, so that they step through the ring together; the
@@ -504,8 +560,13 @@ def _prefill_kernel(
 
       def softmax(s, m_i, l_i, j, *, masked: bool):
         """Scores s [block_q, block_kv] of key block j -> (P float32, the new running max,
-        alpha that rescales what was summed before, the new running sum; l_i as it is when
-        PV sums P)."""
+        alpha that rescales what was summed before (None: nothing to rescale), the new running
+        sum; l_i as it is when PV sums P)."""
+        if fixed and not masked:
+          # m_i stays the reference: no row max, no rescale (an overflow shows in l or acc at
+          # the end of the tile, which is then recomputed).
+          p = jnp.exp2(s * qk_scale - rows_bcast(m_i, s.shape))
+          return p, m_i, None, l_i if tensor_core_row_sums else l_i + p.sum(axis=1)
         if masked:
           # Key s is visible to row r (at position p = q_base + r + shift) when s < kv_valid
           # and p - left <= s <= p + right: one or two compares per score.
@@ -607,13 +668,18 @@ def _prefill_kernel(
           # P stays float32 here: registers that the running PV reads (p_prev) must not be
           # written before it completes, so P is converted after the wait, as in
           # FlashAttention-3. The barrier keeps the softmax ahead of that wait.
+          p, m_new, alpha, l_new = softmax(s, m_i, l_i, j, masked=masked)
+          if alpha is None:  # fixed_reference: nothing to rescale
+            alpha = m_new
           p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
-              softmax(s, m_i, l_i, j, masked=masked))
+              (p, m_new, alpha, l_new))
 
         acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
             (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_i, m_i))
         plgpu.barrier_arrive(v_free.at[prev])
-        return rescale(acc, alpha), m_new, l_new, p.astype(dtype)
+        if not (fixed and not masked):
+          acc = rescale(acc, alpha)
+        return acc, m_new, l_new, p.astype(dtype)
 
       def last_pv(_, carry):
         acc, m_i, l_i, p = carry
@@ -683,12 +749,17 @@ def _prefill_kernel(
               "arrive", SCHEDULE_ID, 2 * WARPGROUP_THREADS))
 
       if separate_output:
-        # Every QK^T of this tile has been waited for: the Q buffer is free already.
-        pl.when(next_item < num_items)(lambda: load_q(next_item))
+        if not retry:
+          # Every QK^T of this tile has been waited for: the Q buffer is free already.
+          pl.when(next_item < num_items)(lambda: load_q(next_item))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read
                                                          # the output buffers
       if tensor_core_row_sums:  # the sums' columns are equal: any one is the row sum
         acc, l_i = acc[:, :head_dim], acc[:, head_dim:].max(axis=1)
+      if fixed:
+        # Probabilities that overflowed leave inf or NaN in l or acc (x * 0 is NaN for
+        # those alone): the row's LSE is NaN, and the second pass recomputes its tile.
+        overflowed = (l_i * 0.0 + (acc * 0.0).sum(axis=1)) != 0.0
       # FlashAttention-2 divides once, here. Rows that saw no key, and padding rows, give
       # exact zeros (their LSE is set to -inf outside, where the lengths are at hand).
       attended = l_i > 0.0
@@ -697,18 +768,17 @@ def _prefill_kernel(
       keep = (iota(shape, 0) < q_valid - q_base) & rows_bcast(attended, shape)
       o_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(dtype)
       # m and log2(l) are base 2: ln 2 converts back to the natural-log LSE.
-      lse_smem[wg] = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_i, 1.0)), -jnp.inf)
+      lse = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_i, 1.0)), -jnp.inf)
+      lse_smem[wg] = jnp.where(overflowed, jnp.nan, lse) if fixed else lse
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_base, block_q)])
 
-      if not separate_output:
+      if not (separate_output or retry):
         @pl.when(next_item < num_items)
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores have read the buffers
           load_q(next_item)
-
-      return ring + (cta_hi - cta_lo)
 
     if overlap_softmax:
       # Turns go round strictly (first, second, ..., last, first, ...) across tiles: the last
@@ -728,9 +798,9 @@ def _prefill_kernel(
     def produce(round_, ring):
       batch, tile, head = tile_of(item_of(round_))
       kv_head = lax.div(head, group)
-      cta_lo, cta_hi = cta_bounds(batch, tile)
+      count, cta_lo = item_blocks(round_)
 
-      @pl.loop(0, cta_hi - cta_lo)
+      @pl.loop(0, count)
       def _(j):
         # The ring's (ring + j)-th load: its slot is free once both consumers released the
         # load num_stages before it (the first num_stages loads find it empty).
@@ -743,7 +813,7 @@ def _prefill_kernel(
         pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
         plgpu.copy_gmem_to_smem(v_ref.at[v_rows], v_smem.at[slot], v_ready.at[slot])
 
-      return ring + (cta_hi - cta_lo)
+      return ring + count
 
     lax.fori_loop(0, num_rounds_here, produce, jnp.int32(0))
 
@@ -821,22 +891,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
   num_q_tiles = seq_q_pad // q_rows
   num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
-  num_items = num_heads * batch * num_q_tiles
-  # Persistent: one CTA per SM (its registers hold no second one) walks the items; else one
-  # CTA per item, launched longest first.
-  num_ctas = min(info.sm_count, num_items) if config.persistent else num_items
-
   if _mosaic.interpret_params(interpret) is not None:
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
-  kernel = functools.partial(
-      _prefill_kernel, qk_scale=scale * LOG2_E, mods=mods, block_q=block_q,
-      block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
-      num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
-      group=num_heads // num_kv_heads, named_schedule=config.named_schedule,
-      overlap_softmax=config.overlap_softmax,
-      conditional_rescale=config.conditional_rescale, num_consumers=num_consumers,
-      tensor_core_row_sums=config.tensor_core_row_sums)
-  kernel.__name__ = "mosaic_prefill"  # the name profiles show
 
   # 128-byte swizzled tiles: the layout wgmma reads and TMA writes without bank conflicts.
   swizzled = dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // query.dtype.itemsize)),
@@ -859,22 +915,73 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     # V^T [B, K, H + 8, S_pad] with 8 rows of ones: PV then yields P's row sums too.
     ones = jnp.ones((batch, num_kv_heads, ROW_SUM_COLUMNS, seq_kv_pad), v.dtype)
     v = jnp.concatenate([jnp.transpose(v, (0, 2, 3, 1)), ones], axis=2)
-  out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
-              jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
-  out, lse = plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=(num_ctas,),
-      grid_names=("cta",),
-      num_threads=num_consumers + 1,
-      thread_name="wg",
+  compiler_params = plgpu.CompilerParams(
       # approx_math: exp2 is one ex2.approx; the row max and sum of a wgmma tile stay within
       # a warp, so no shared-memory scratch is reserved for cross-warp reductions.
-      compiler_params=plgpu.CompilerParams(
-          approx_math=True, reduction_scratch_bytes=0,
-          unsafe_no_auto_barriers=not config.auto_barriers),
-  )(q_len, kv_len, q, k, v)
+      approx_math=True, reduction_scratch_bytes=0,
+      unsafe_no_auto_barriers=not config.auto_barriers)
+  fixed_reference = config.fixed_reference and mods.left is None
+
+  def run_kernels(q_len, kv_len, q, k, v):
+    """The kernel on [B, ...] operands, and with the fixed reference its second pass."""
+    batch = q.shape[0]
+    num_items = num_heads * batch * num_q_tiles
+    # Persistent: one CTA per SM (its registers hold no second one) walks the items; else
+    # one CTA per item, launched longest first.
+    num_ctas = min(info.sm_count, num_items) if config.persistent else num_items
+    kernel = functools.partial(
+        _prefill_kernel, qk_scale=scale * LOG2_E, mods=mods, block_q=block_q,
+        block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
+        num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
+        group=num_heads // num_kv_heads, named_schedule=config.named_schedule,
+        overlap_softmax=config.overlap_softmax,
+        conditional_rescale=config.conditional_rescale, num_consumers=num_consumers,
+        tensor_core_row_sums=config.tensor_core_row_sums, fixed_reference=fixed_reference)
+    kernel.__name__ = "mosaic_prefill"  # the name profiles show
+    out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
+                jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
+    mesh = dict(grid=(num_ctas,), grid_names=("cta",), num_threads=num_consumers + 1,
+                thread_name="wg")
+    out, lse = plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch,
+                            compiler_params=compiler_params, **mesh)(q_len, kv_len, q, k, v)
+    if not fixed_reference:
+      return out, lse
+    # Second pass: the tiles with a row whose fixed reference overflowed (NaN LSE), and
+    # only those, run again with the running max, written over the first pass's out and LSE.
+    rows_valid = jnp.arange(seq_q_pad)[None, :] < jnp.clip(q_len, 0, seq_q)[:, None]  # [B, T_pad]
+    overflowed = jnp.isnan(lse) & rows_valid[:, None, :]  # [B, N, T_pad]
+    retry = overflowed.reshape(batch, num_heads, num_q_tiles, q_rows).any(axis=-1)
+    retry = retry.astype(jnp.int32).reshape(-1)  # [B * N * tiles]
+
+    def recompute(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, retry_ref, o_ref, lse_ref):
+      pl.run_scoped(
+          lambda *scratch_refs: kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                                       *scratch_refs, retry_ref=retry_ref, fixed_reference=False),
+          *scratch, collective_axes="wg")
+
+    def second_pass(refs):
+      # pl.kernel (not plgpu.kernel) takes the output refs as operands: it writes into the
+      # first pass's buffers in place.
+      o_ref, lse_ref = refs
+      pl.kernel(recompute, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=compiler_params,
+                name="mosaic_prefill_recompute")(q_len, kv_len, q, k, v, retry, o_ref, lse_ref)
+
+    return pl.run_state(second_pass)((out, lse))
+
+  @jax.custom_batching.custom_vmap
+  def kernels(q_len, kv_len, q, k, v):
+    return run_kernels(q_len, kv_len, q, k, v)
+
+  @kernels.def_vmap
+  def _vmap_rule(axis_size, in_batched, *args):
+    # Under jax.vmap the mapped axis joins the batch (run_state has no batching rule).
+    args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(args, in_batched)]
+    out, lse = kernels(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+    unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+    return (unfold(out), unfold(lse)), (True, True)
+
+  out, lse = kernels(q_len, kv_len, q, k, v)
 
   out = out[:, :seq_q]
   if not return_residual:
