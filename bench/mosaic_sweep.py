@@ -38,11 +38,12 @@ SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_SIZES = (8192, 32768)
 SWEEP_CONFIGS = ("64x64x2", "64x64x4", "64x128x2", "64x128x2a", "64x128x2n", "64x128x3", "64x192x2",
                  "64x256x1", "64x128x2p", "64x128x2np", "64x128x2nps", "64x128x2npo", "64x128x2npos",
-                 "64x128x3npo", "64x192x2npo")
+                 "64x128x3npo", "64x192x2npo", "64x128x2nposf")
 # Other head dims, swept at 8192 only (their table rows in jaxflash/mosaic/prefill.py).
 HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2", "64x128x2p", "64x128x2np",
-                       "64x128x2ps", "64x128x2npo", "64x128x2nposw", "64x128x2nposwr", "64x128x4nposw"),
-                  256: ("64x64x2", "64x64x2p", "64x64x2np", "64x64x2npo", "64x64x2npoc")}
+                       "64x128x2ps", "64x128x2npo", "64x128x2nposw", "64x128x2nposwr", "64x128x4nposw",
+                       "64x128x2nposwrf"),
+                  256: ("64x64x2", "64x64x2p", "64x64x2np", "64x64x2npo", "64x64x2npoc", "64x64x2npocf")}
 
 
 def parse_config(text: str) -> mosaic.MosaicPrefillConfig:

@@ -30,6 +30,12 @@ FlashAttention-3 (Shah et al., 2024) builds it for sm_90:
   Q load is issued before this tile's epilogue instead of after its store.
 * Row sums out of PV (d = 64 from 8192 keys): with V transposed and 8 rows of ones below
   it, PV's wgmma also writes P's row sums, and the CUDA cores skip one add a score.
+* A fixed softmax reference (bf16, long sequences): in the key blocks a row sees whole, the
+  exponentials subtract the first key block's row max instead of a running max, so those
+  steps compute no row max and never rescale (any reference gives the same softmax; the
+  running max of FlashAttention-2 only keeps exp2 in range). Rows that then overflow
+  float32 are flagged by a NaN LSE, and a second pass of this kernel recomputes their query
+  tiles, and only those, with the running max, in place.
 * Online softmax in base 2 with the scale folded into one multiply-add (scores times
   scale * log2 e, minus the running max), exp2 lowered to ex2.approx; the output is divided
   by the running sum once, at the end (FlashAttention-2, section 3.1.1).
@@ -358,7 +364,7 @@ def _prefill_kernel(
     k_free, v_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     schedule,  # barrier, 2 arrivals: the consumers' ping-pong
     *,
-    retry_ref=None,  # [B, N, num_q_tiles] int32 GMEM, the second pass only: tiles to recompute
+    retry_ref=None,  # [B * N * num_q_tiles] int32 GMEM, the second pass only: tiles to redo
     qk_scale: float,
     mods: ScoreMods,
     block_q: int,
@@ -383,10 +389,6 @@ def _prefill_kernel(
   separate_output = len(io_smem) == 2
   head_dim = q_ref.shape[-1]
   acc_columns = head_dim + ROW_SUM_COLUMNS * tensor_core_row_sums
-
-  # The fixed reference needs every row to have seen a key before its first unmasked block;
-  # with a window's left edge a row may not have.
-  fixed = fixed_reference and mods.left is None
 
   def v_tile(slot):
     """PV's right operand [block_kv, H] (or [block_kv, H + 8] from V^T) in ring slot `slot`."""
@@ -562,7 +564,7 @@ def _prefill_kernel(
         """Scores s [block_q, block_kv] of key block j -> (P float32, the new running max,
         alpha that rescales what was summed before (None: nothing to rescale), the new running
         sum; l_i as it is when PV sums P)."""
-        if fixed and not masked:
+        if fixed_reference and not masked:
           # m_i stays the reference: no row max, no rescale (an overflow shows in l or acc at
           # the end of the tile, which is then recomputed).
           p = jnp.exp2(s * qk_scale - rows_bcast(m_i, s.shape))
@@ -669,7 +671,7 @@ def _prefill_kernel(
           # written before it completes, so P is converted after the wait, as in
           # FlashAttention-3. The barrier keeps the softmax ahead of that wait.
           p, m_new, alpha, l_new = softmax(s, m_i, l_i, j, masked=masked)
-          if alpha is None:  # fixed_reference: nothing to rescale
+          if alpha is None:  # fixed_reference: nothing to rescale (the ref still takes a value)
             alpha = m_new
           p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
               (p, m_new, alpha, l_new))
@@ -677,7 +679,7 @@ def _prefill_kernel(
         acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
             (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_i, m_i))
         plgpu.barrier_arrive(v_free.at[prev])
-        if not (fixed and not masked):
+        if not (fixed_reference and not masked):
           acc = rescale(acc, alpha)
         return acc, m_new, l_new, p.astype(dtype)
 
@@ -756,7 +758,7 @@ def _prefill_kernel(
                                                          # the output buffers
       if tensor_core_row_sums:  # the sums' columns are equal: any one is the row sum
         acc, l_i = acc[:, :head_dim], acc[:, head_dim:].max(axis=1)
-      if fixed:
+      if fixed_reference:
         # Probabilities that overflowed leave inf or NaN in l or acc (x * 0 is NaN for
         # those alone): the row's LSE is NaN, and the second pass recomputes its tile.
         overflowed = (l_i * 0.0 + (acc * 0.0).sum(axis=1)) != 0.0
@@ -769,7 +771,7 @@ def _prefill_kernel(
       o_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(dtype)
       # m and log2(l) are base 2: ln 2 converts back to the natural-log LSE.
       lse = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_i, 1.0)), -jnp.inf)
-      lse_smem[wg] = jnp.where(overflowed, jnp.nan, lse) if fixed else lse
+      lse_smem[wg] = jnp.where(overflowed, jnp.nan, lse) if fixed_reference else lse
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_tile, o_ref.at[batch, pl.ds(q_base, block_q), head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_base, block_q)])
@@ -920,6 +922,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       # a warp, so no shared-memory scratch is reserved for cross-warp reductions.
       approx_math=True, reduction_scratch_bytes=0,
       unsafe_no_auto_barriers=not config.auto_barriers)
+  # The fixed reference needs every row to have seen a key before its first whole block;
+  # with a window's left edge a row may not have, so windows keep the running max.
   fixed_reference = config.fixed_reference and mods.left is None
 
   def run_kernels(q_len, kv_len, q, k, v):
