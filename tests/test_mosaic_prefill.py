@@ -258,9 +258,10 @@ def test_running_max_that_jumps(head_dim, config, rng):
     (128, FIXED), (64, THREE_SUMMED_FIXED), (256, dataclasses.replace(RESCALED, fixed_reference=True)),
 ], ids=lambda x: str(x) if isinstance(x, int) else _config_id(x))
 def test_fixed_reference_overflow_is_recomputed(head_dim, config, rng):
-  """Keys that score 2^200 and more above a row's first key block overflow the fixed
-  reference: those tiles, and only those, are recomputed with the running max (sequence 0
-  overflows from key 700 on, sequence 1 never), and every row matches float64."""
+  """Keys that score far more than 2^128 above a row's first key block (about 2^480 here)
+  overflow the fixed reference in sequence 0 from key 700 on, never in sequence 1: after the
+  second pass (the flagged tiles recomputed with the running max, in place) every row of
+  both matches float64 and no LSE is left NaN."""
   q, k, v = _qkv(rng, 2, 900, 900, 6, 2, head_dim, BF16)
   q = (q.astype(F32) + 1.0).astype(BF16)  # queries lean towards the all-ones direction
   k = k.at[0, 700:].add(30.0)  # scores of ~ 30 * sum(q) * scale there
