@@ -258,7 +258,7 @@ def test_running_max_that_jumps(head_dim, config, rng):
     (128, FIXED), (64, THREE_SUMMED_FIXED), (256, dataclasses.replace(RESCALED, fixed_reference=True)),
 ], ids=lambda x: str(x) if isinstance(x, int) else _config_id(x))
 def test_fixed_reference_overflow_is_recomputed(head_dim, config, rng):
-  """Keys that score far more than 2^128 above a row's first key block (about 2^480 here)
+  """Keys that score far more than 2^128 above a row's first key block (2^300 and more here)
   overflow the fixed reference in sequence 0 from key 700 on, never in sequence 1: after the
   second pass (the flagged tiles recomputed with the running max, in place) every row of
   both matches float64 and no LSE is left NaN."""
