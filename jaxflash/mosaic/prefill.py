@@ -655,6 +655,7 @@ def _prefill_kernel(
 
       def overlapped_step(j, carry, *, masked: bool):
         acc, m_i, l_i, p_prev = carry  # p_prev [block_q, block_kv]: P of block j - 1
+        rescales = not (fixed_reference and not masked)  # else softmax gives no alpha
         slot, prev = slot_of(j), slot_of(j - 1)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[prev])
@@ -671,7 +672,7 @@ def _prefill_kernel(
           # written before it completes, so P is converted after the wait, as in
           # FlashAttention-3. The barrier keeps the softmax ahead of that wait.
           p, m_new, alpha, l_new = softmax(s, m_i, l_i, j, masked=masked)
-          if alpha is None:  # fixed_reference: nothing to rescale (the ref still takes a value)
+          if not rescales:  # (the ref still takes a value)
             alpha = m_new
           p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
               (p, m_new, alpha, l_new))
@@ -679,7 +680,7 @@ def _prefill_kernel(
         acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
             (plgpu.ACC.init(acc), plgpu.ACC.init(zero_scores), zero_scores, m_i, l_i, m_i))
         plgpu.barrier_arrive(v_free.at[prev])
-        if not (fixed_reference and not masked):
+        if rescales:
           acc = rescale(acc, alpha)
         return acc, m_new, l_new, p.astype(dtype)
 
@@ -926,6 +927,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   # with a window's left edge a row may not have, so windows keep the running max.
   fixed_reference = config.fixed_reference and mods.left is None
 
+  @jax.custom_batching.custom_vmap
   def run_kernels(q_len, kv_len, q, k, v):
     """The kernel on [B, ...] operands, and with the fixed reference its second pass."""
     batch = q.shape[0]
@@ -972,20 +974,16 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
 
     return pl.run_state(second_pass)((out, lse))
 
-  @jax.custom_batching.custom_vmap
-  def kernels(q_len, kv_len, q, k, v):
-    return run_kernels(q_len, kv_len, q, k, v)
-
-  @kernels.def_vmap
+  @run_kernels.def_vmap
   def _vmap_rule(axis_size, in_batched, *args):
     # Under jax.vmap the mapped axis joins the batch (run_state has no batching rule).
     args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
             for x, batched in zip(args, in_batched)]
-    out, lse = kernels(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+    out, lse = run_kernels(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
     unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
     return (unfold(out), unfold(lse)), (True, True)
 
-  out, lse = kernels(q_len, kv_len, q, k, v)
+  out, lse = run_kernels(q_len, kv_len, q, k, v)
 
   out = out[:, :seq_q]
   if not return_residual:
