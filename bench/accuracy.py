@@ -1,0 +1,321 @@
+"""Attention accuracy on hard inputs, next to cuDNN and the Triton kernel.
+
+jaxflash's error against a float32 reference at HIGHEST precision, next to cuDNN's (jax.nn.dot_product_attention, implementation="cudnn") and the Pallas-Triton
+kernel's (jaxflash.attention, implementation="triton") on the same bf16 inputs, for the output,
+the LSE and the gradients of query, key and value. Causal attention throughout.
+
+Errors: the output and the LSE as the largest absolute difference; each gradient as the largest
+absolute difference over the largest |reference gradient|. Rows a sequence length pads out are
+left out (their values are unspecified in cuDNN). jax.nn rounds cuDNN's LSE to bf16, so its LSE
+error is not reported (null); the LSE is compared with the Triton kernel's instead.
+
+Input classes (scores s = q . k * H**-0.5): standard normal; peaky rows (score std 4); key scale
+growing 1x -> 5x along the sequence; one dominant key, `margin` nats above the rest, at a
+fraction `position` of the sequence (150 nats is past float32's exp range); a constant score
+offset; a very negative first key block; ragged lengths; sliding windows; packed documents
+(when jaxflash.attention takes `segment_ids`).
+
+  python -m bench.accuracy [--quick] [--out DIR]
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import runner
+
+WHICH = ("out", "lse", "dq", "dk", "dv")
+PROVIDERS = ("jaxflash", "cudnn", "triton")
+LARGE = 8.0  # the query coordinate that carries a chosen score: q[..., 0] = LARGE
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One input: its class (`kind`), shape and the class's parameter."""
+  kind: str
+  n: int
+  d: int
+  heads: int = 2
+  kv_heads: int = 2
+  batch: int = 1
+  margin: float = 0.0  # dominant_key: nats above the rest; offset: the constant; negative_first_block: depth
+  position: float = 0.5  # dominant_key: where the key sits, as a fraction of n
+  window: int | None = None  # keys each query sees to its left (besides itself)
+  first_block: int = 128  # negative_first_block: the keys lowered
+
+  @property
+  def name(self) -> str:
+    parts = [self.kind]
+    if self.kind == "dominant_key":
+      parts.append(f"{self.margin:g}nats@{self.position:g}")
+    elif self.kind in ("offset", "negative_first_block"):
+      parts.append(f"{self.margin:g}nats")
+    if self.window is not None:
+      parts.append(f"w{self.window}")
+    if self.heads != self.kv_heads:
+      parts.append(f"gqa{self.heads}/{self.kv_heads}")
+    return " ".join(parts)
+
+  def lengths(self):
+    """Valid tokens per sequence (queries = keys), or None (all)."""
+    if self.kind != "ragged":
+      return None
+    return jnp.asarray([self.n, (5 * self.n) // 8 + 3][:self.batch], jnp.int32)
+
+  def segment_ids(self):
+    """Packed documents: [B, n] document ids (four documents of uneven length), or None."""
+    if self.kind != "documents":
+      return None
+    bounds = np.array([0, self.n // 8 + 5, self.n // 2 - 7, (3 * self.n) // 4 + 1, self.n])
+    ids = np.repeat(np.arange(4), np.diff(bounds))
+    return jnp.asarray(np.broadcast_to(ids, (self.batch, self.n)), jnp.int32)
+
+
+def full_cases() -> list[Case]:
+  """The GPU run: n from 1K to 32K, d = 64 / 128 / 256, GQA, every default configuration."""
+  cases = [Case("normal", n, 128) for n in (1024, 4096, 16384)]
+  cases += [Case("normal", 8192, 64), Case("normal", 4096, 256), Case("normal", 8192, 128, heads=8, kv_heads=2)]
+  cases += [Case("peaky", 4096, 128), Case("peaky", 16384, 128), Case("peaky", 8192, 64), Case("peaky", 4096, 256)]
+  cases += [Case("key_scale", 16384, 128), Case("key_scale", 4096, 64), Case("key_scale", 4096, 256)]
+  cases += [Case("dominant_key", 4096, 128, margin=m) for m in (20.0, 60.0, 150.0)]
+  cases += [Case("dominant_key", 4096, 128, margin=60.0, position=p) for p in (0.0, 0.9)]
+  cases += [Case("dominant_key", 16384, 128, margin=60.0), Case("dominant_key", 32768, 128, margin=60.0, heads=1, kv_heads=1),
+            Case("dominant_key", 4096, 256, margin=60.0), Case("dominant_key", 8192, 64, margin=60.0),
+            Case("dominant_key", 8192, 128, margin=150.0, heads=5, kv_heads=1)]
+  cases += [Case("offset", 8192, 128, margin=100.0), Case("offset", 4096, 256, margin=-100.0)]
+  cases += [Case("negative_first_block", 4096, 128, margin=30.0),
+            Case("negative_first_block", 4096, 128, margin=120.0),
+            Case("negative_first_block", 8192, 64, margin=120.0)]
+  cases += [Case("ragged", 8192, 128, batch=2), Case("ragged", 4096, 256, batch=2)]
+  cases += [Case("normal", 8192, 128, window=1024), Case("dominant_key", 4096, 64, margin=60.0, window=255)]
+  cases += [Case("documents", 8192, 128)]
+  return cases
+
+
+def quick_cases() -> list[Case]:
+  """A CPU-sized run (the kernels interpreted): one case per hard class, tiny n."""
+  return [Case("dominant_key", 64, 32, margin=150.0, heads=2, kv_heads=1),
+          Case("negative_first_block", 64, 32, margin=120.0, first_block=16),
+          Case("ragged", 48, 32, batch=2, window=17)]
+
+
+def takes_segment_ids() -> bool:
+  """Whether jaxflash.attention has packed documents (`segment_ids`)."""
+  import jaxflash
+  return "segment_ids" in inspect.signature(jaxflash.attention).parameters
+
+
+def make_inputs(case: Case, seed: int = 0):
+  """bf16 query, key, value [B, n, heads or kv_heads, d] of the case's class, and an output
+  cotangent (zero on padded rows)."""
+  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+  shape_q = (case.batch, case.n, case.heads, case.d)
+  shape_kv = (case.batch, case.n, case.kv_heads, case.d)
+  q = jax.random.normal(kq, shape_q, jnp.float32)
+  k = jax.random.normal(kk, shape_kv, jnp.float32)
+  v = jax.random.normal(kv, shape_kv, jnp.float32)
+  d_out = jax.random.normal(kd, shape_q, jnp.float32)
+  per_unit = LARGE * case.d ** -0.5  # the score one unit of k[..., 0] adds when q[..., 0] = LARGE
+  if case.kind == "peaky":
+    q = 4.0 * q
+  elif case.kind == "key_scale":
+    k = k * jnp.linspace(1.0, 5.0, case.n)[None, :, None, None]
+  elif case.kind == "dominant_key":
+    at = min(int(case.position * case.n), case.n - 1)
+    q = q.at[..., 0].set(LARGE)
+    k = k.at[..., 0].set(0.0).at[:, at, :, 0].set(case.margin / per_unit)
+  elif case.kind == "offset":
+    q = q.at[..., 0].set(LARGE)
+    k = k.at[..., 0].set(case.margin / per_unit)
+  elif case.kind == "negative_first_block":
+    q = q.at[..., 0].set(LARGE)
+    k = k.at[..., 0].set(0.0).at[:, :case.first_block, :, 0].set(-case.margin / per_unit)
+  valid = query_rows(case)
+  if valid is not None:
+    d_out = jnp.where(valid[:, :, None, None], d_out, 0.0)
+  bf16 = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+  return bf16(q), bf16(k), bf16(v), bf16(d_out)
+
+
+def query_rows(case: Case):
+  """[B, n] True where a row (query or key) is inside its sequence's length, or None."""
+  lengths = case.lengths()
+  if lengths is None:
+    return None
+  return jnp.arange(case.n)[None, :] < lengths[:, None]
+
+
+def document_mask(case: Case):
+  """[B, 1, n, n] True where query and key are in one document, or None."""
+  ids = case.segment_ids()
+  return None if ids is None else (ids[:, None, :, None] == ids[:, None, None, :])
+
+
+def _window(case: Case):
+  return None if case.window is None else (case.window, 0)
+
+
+def reference(case: Case, q, k, v, d_out):
+  """The float32 reference at HIGHEST precision: (out, lse, dq, dk, dv), one query head at a
+  time so that a 32K x 32K score matrix per head is the most held at once."""
+  from jaxflash.reference import attention_reference
+  q, k, v, d_out = (x.astype(jnp.float32) for x in (q, k, v, d_out))
+  group = case.heads // case.kv_heads
+  lengths, mask = case.lengths(), document_mask(case)
+
+  def one_head(h):
+    def attend(q1, k1, v1):
+      return attention_reference(q1, k1, v1, None, mask, scale=case.d ** -0.5, is_causal=True,
+                                  query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                  local_window_size=_window(case), causal_alignment="top_left")
+    pick = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=2)  # noqa: E731
+    (out, lse), vjp = jax.vjp(attend, pick(q, h), pick(k, h // group), pick(v, h // group))
+    dq, dk, dv = vjp((pick(d_out, h), jnp.zeros_like(lse)))
+    return out[:, :, 0], lse[:, :, 0], dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
+
+  out, lse, dq, dk, dv = jax.lax.map(one_head, jnp.arange(case.heads))  # each [heads, B, n, ...]
+  heads_last = lambda x: jnp.moveaxis(x, 0, 2)  # noqa: E731
+  kv_sum = lambda x: heads_last(x.reshape(case.kv_heads, group, *x.shape[1:]).sum(1))  # noqa: E731
+  return heads_last(out), heads_last(lse), heads_last(dq), kv_sum(dk), kv_sum(dv)
+
+
+def provider_call(provider: str, case: Case):
+  """(q, k, v, d_out) -> (out, lse or None, dq, dk, dv) for one provider."""
+  import jaxflash
+  lengths, window = case.lengths(), _window(case)
+  if provider == "cudnn":
+    mask = document_mask(case)
+
+    def attend(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, query_seq_lengths=lengths,
+                                          key_value_seq_lengths=lengths, local_window_size=window,
+                                          implementation="cudnn"), None
+  else:
+    extra = {} if case.segment_ids() is None else {"segment_ids": case.segment_ids()}
+    implementation = None if provider == "jaxflash" else "triton"
+
+    def attend(q, k, v):
+      # bottom-right equals top-left here (queries = keys per sequence) and lets the Mosaic
+      # prefill serve lengths.
+      return jaxflash.attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                                query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                local_window_size=window, return_residual=True,
+                                implementation=implementation, **extra)
+
+  @jax.jit
+  def run(q, k, v, d_out):
+    (out, lse), vjp = jax.vjp(attend, q, k, v)
+    if lse is None:
+      dq, dk, dv = vjp((d_out, None))
+    else:
+      dq, dk, dv = vjp((d_out, jnp.zeros_like(lse)))
+    return out, lse, dq, dk, dv
+
+  return run
+
+
+def max_error(x, ref, valid, *, relative: bool) -> float:
+  """Largest |x - ref| over the valid rows ([B, n] or None), over max |ref| when `relative`;
+  NaN when x holds a NaN or an infinity where the reference is finite."""
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  if valid is not None:
+    keep = np.asarray(valid)
+    x, ref = x[keep], ref[keep]
+  finite = np.isfinite(ref)
+  if not np.all(np.isfinite(x[finite])):
+    return math.nan
+  err = float(np.max(np.abs(x[finite] - ref[finite]), initial=0.0))
+  if relative:
+    err /= max(float(np.max(np.abs(ref[finite]), initial=0.0)), np.finfo(np.float32).tiny)
+  return err
+
+
+def errors(case: Case, got, ref) -> dict:
+  """{which: error} for one provider's (out, lse, dq, dk, dv)."""
+  rows = query_rows(case)
+  result = {}
+  for which, x, r in zip(WHICH, got, ref):
+    if x is None:
+      result[which] = None
+      continue
+    result[which] = max_error(x, r, rows, relative=which.startswith("d"))
+  return result
+
+
+def _providers() -> list[str]:
+  """cuDNN only on a GPU (jax.nn's cuDNN path has no CPU lowering)."""
+  return [p for p in PROVIDERS if p != "cudnn" or jax.default_backend() == "gpu"]
+
+
+def run_case(case: Case, seed: int = 0) -> list[dict]:
+  """The five rows (out, lse, dq, dk, dv) of one case."""
+  q, k, v, d_out = make_inputs(case, seed)
+  ref = jax.jit(lambda *a: reference(case, *a))(q, k, v, d_out)
+  measured = {}
+  for provider in _providers():
+    try:
+      measured[provider] = errors(case, provider_call(provider, case)(q, k, v, d_out), ref)
+    except Exception as e:  # noqa: BLE001 -- a provider that cannot take the case loses its column only
+      runner.log(f"  {provider} on {case.name} n={case.n} d={case.d}: {runner.error_text(e)}")
+      measured[provider] = {}
+  rows = []
+  for which in WHICH:
+    row = {"case": case.name, "n": case.n, "d": case.d, "heads": f"{case.heads}/{case.kv_heads}",
+           "batch": case.batch, "which": which}
+    for provider in PROVIDERS:
+      row[f"{provider}_err"] = measured.get(provider, {}).get(which)
+    row["ratio"] = _ratio(row["jaxflash_err"], row["cudnn_err"])
+    row["ratio_triton"] = _ratio(row["jaxflash_err"], row["triton_err"])
+    row["label"] = f"{case.name} n={case.n} d={case.d} {which}"
+    rows.append(row)
+  return rows
+
+
+def _ratio(a, b):
+  if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+    return None
+  return a / max(b, 1e-12)
+
+
+COLUMNS = [("case", "case"), ("n", "n"), ("d", "d"), ("heads", "heads N/K"), ("batch", "B"),
+           ("which", "which"), ("jaxflash_err", "jaxflash", "{:.2e}"), ("cudnn_err", "cuDNN", "{:.2e}"),
+           ("triton_err", "Triton", "{:.2e}"), ("ratio", "jaxflash/cuDNN", "{:.2f}"),
+           ("ratio_triton", "jaxflash/Triton", "{:.2f}")]
+
+
+def collect(args, limit: runner.TimeLimit) -> tuple[list[dict], list[str]]:
+  """Every case's rows (the cases left when the time limit ends are named in the notes)."""
+  cases = quick_cases() if args.quick or args.smoke else full_cases()
+  if not takes_segment_ids():
+    cases = [c for c in cases if c.kind != "documents"]
+  rows, skipped = [], []
+  for case in cases:
+    if limit.exhausted():
+      skipped.append(f"{case.name} n={case.n} d={case.d}")
+      continue
+    runner.log(f"{case.name} n={case.n} d={case.d} heads={case.heads}/{case.kv_heads} B={case.batch}")
+    rows += run_case(case)
+  notes = [__doc__.split("\n\n")[2].replace("\n", " ")]
+  if skipped:
+    notes.append("not run (time limit): " + ", ".join(skipped))
+  return rows, notes
+
+
+BENCHMARK = runner.Benchmark(
+    name="accuracy", doc=__doc__, collect=collect, columns=COLUMNS, time_limit_s=3000.0,
+    smoke="the --quick cases", quick="one tiny case per hard class (the CPU test)", ceilings=False,
+    plot={"x": "label", "y": "ratio", "kind": "bar", "figsize": (14, 6), "title": "jaxflash error / cuDNN error",
+          "ylabel": "jaxflash / cuDNN"})
+
+
+def main(argv=None):
+  return runner.main(BENCHMARK, argv)
+
+
+if __name__ == "__main__":
+  main()

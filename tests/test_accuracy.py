@@ -1,0 +1,71 @@
+"""bench.accuracy on the CPU: the --quick run end to end (kernels interpreted, no cuDNN), and
+the hard inputs having the score structure their class names."""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import accuracy
+
+
+def test_quick_run_writes_every_row(tmp_path):
+  accuracy.main(["--quick", "--out", str(tmp_path)])
+  data = json.loads((tmp_path / "accuracy.json").read_text())
+  rows = data["rows"]
+  cases = accuracy.quick_cases()
+  assert len(rows) == 5 * len(cases)
+  assert [r["which"] for r in rows[:5]] == list(accuracy.WHICH)
+  assert data["meta"]["commit"]  # the README tables refuse results of mixed commits
+  for r in rows:
+    assert {"case", "n", "d", "which", "jaxflash_err", "cudnn_err", "triton_err", "ratio"} <= set(r)
+    assert r["cudnn_err"] is None and r["ratio"] is None  # no cuDNN on the CPU
+    # On the CPU the default is the interpreted Triton kernel: the same numbers.
+    assert r["jaxflash_err"] == r["triton_err"]
+    bound = {"out": 2e-2, "lse": 1e-3}.get(r["which"], 0.2)  # bf16 inputs and outputs
+    assert 0 <= r["jaxflash_err"] < bound, r
+  assert (tmp_path / "accuracy.md").read_text().count("\n| ") == len(rows) + 1
+
+
+@pytest.mark.parametrize("margin,position", [(20.0, 0.5), (150.0, 0.0), (60.0, 0.9)])
+def test_dominant_key_stands_out_by_its_margin(margin, position):
+  case = accuracy.Case("dominant_key", 64, 64, margin=margin, position=position)
+  q, k, _, _ = accuracy.make_inputs(case)
+  scores = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32)) * 64 ** -0.5
+  at = min(int(position * 64), 63)
+  others = np.delete(np.asarray(scores), at, axis=-1)
+  gap = np.asarray(scores[..., at]) - others.max(-1)
+  assert np.all(np.abs(gap - margin) < 0.1 * margin + 6.0)
+
+
+def test_negative_first_block_and_offset_shift_the_scores():
+  low = accuracy.Case("negative_first_block", 64, 32, margin=120.0, first_block=16)
+  q, k, _, _ = accuracy.make_inputs(low)
+  s = np.asarray(jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32))) * 32 ** -0.5
+  assert s[..., :16].max() < -100 and s[..., 16:].min() > -20
+  shifted = accuracy.Case("offset", 64, 32, margin=100.0)
+  q, k, _, _ = accuracy.make_inputs(shifted)
+  s = np.asarray(jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k.astype(jnp.float32))) * 32 ** -0.5
+  assert 80 < s.min() and s.max() < 120
+
+
+def test_full_run_has_long_cases_of_every_class():
+  cases = accuracy.full_cases()
+  assert len(cases) >= 24 and sum(c.n >= 4096 for c in cases) >= 24
+  assert {c.d for c in cases} == {64, 128, 256} and min(c.n for c in cases) == 1024
+  assert max(c.n for c in cases) == 32768 and any(c.heads != c.kv_heads for c in cases)
+  assert {"normal", "peaky", "key_scale", "dominant_key", "offset", "negative_first_block", "ragged",
+          "documents"} <= {c.kind for c in cases}
+  assert any(c.window is not None for c in cases)
+  assert {c.margin for c in cases if c.kind == "dominant_key"} >= {20.0, 60.0, 150.0}
+
+
+def test_max_error_masks_padding_and_flags_nan():
+  ref = np.array([[1.0, 2.0, 0.0]])
+  got = np.array([[1.5, 2.0, 9.0]])
+  valid = np.array([[True, True, False]])
+  assert accuracy.max_error(got, ref, valid, relative=False) == 0.5
+  assert accuracy.max_error(got, ref, valid, relative=True) == 0.25
+  assert np.isnan(accuracy.max_error(np.array([[np.nan, 2.0, 0.0]]), ref, None, relative=False))
