@@ -50,6 +50,12 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   (bottom-right, or no causal mask and no window) -> split-KV decode (paged decode with
   `block_table`), otherwise the FlashAttention-2 prefill kernel.
 
+  Precision: bf16 / fp16 inputs multiply on the tensor cores in their own type with float32
+  accumulation and a float32 softmax, in every kernel. float32 inputs run on the Pallas-Triton
+  kernels (Mosaic and cuDNN take 16-bit inputs only) with IEEE float32 dots, not TF32 (XLA's
+  GPU default): `jax.default_matmul_precision("tensorfloat32")` (or "high", "default",
+  "bfloat16") around the call asks for TF32 dots instead; "xla" is float32 at HIGHEST.
+
   Differentiable (jax.grad, jax.vjp, under jit, vmap, checkpoint, scan and on a mesh) with
   every option: the prefill and one-token decode paths, whichever forward kernel runs
   (Pallas-Triton or Mosaic GPU), are differentiated by the FlashAttention-2 backward kernels

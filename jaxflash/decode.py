@@ -30,6 +30,7 @@ from jax import lax
 from jaxflash import _checks, configs
 from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_masked, mask2d, pl, quiet, store,
                               use_interpret)
+from jaxflash._util import dot_precision
 from jaxflash.configs import DecodeConfig
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import soft_cap, window_size
@@ -396,14 +397,13 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
   else:
     out_shape = [result_struct((batch, slots, num_heads, head_dim), jnp.float32, *inputs),
                  result_struct((batch, slots, num_heads), jnp.float32, *inputs)]
-  fp32 = jnp.dtype(k_rows.dtype) == jnp.float32
   full = lambda x: None if x is None else tuple(d > 1 for d in x.shape)  # noqa: E731
   kernel = functools.partial(
       _split_kv_kernel, tile_index=tile_index, group=group, query_rows=query_rows,
       row_blocks=row_blocks, head_dim=head_dim, block_k=config.block_k, chunk=chunk, chunks=splits,
       capacity=capacity, scale=options.static_scale, window_left=window_left,
       soft_cap=options.soft_cap, bias_full=full(options.bias), mask_full=full(options.mask),
-      final=final, precision=lax.Precision.HIGHEST if fp32 else None)
+      final=final, precision=dot_precision(k_rows.dtype))
   with quiet():
     out, lse = pl.pallas_call(
         kernel,

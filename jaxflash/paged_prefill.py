@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxflash import _checks, configs
 from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load_masked, mask2d, pl, quiet,
                               store, use_interpret)
+from jaxflash._util import dot_precision
 from jaxflash.configs import PrefillConfig
 from jaxflash.paged import _paged_tile
 from jaxflash.prefill import APPROX_EXP2, _block_size, resolve_config
@@ -76,7 +77,7 @@ def _paged_prefill_kernel(
   q_index = (b, pl.ds(q_start, block_q), n, pl.ds(0, head_dim_padded))
 
   compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
-  dot_kwargs = dict(allow_tf32=False) if compute_dtype == jnp.float32 else {}
+  dot_kwargs = dict(precision=dot_precision(compute_dtype))
   q = load_masked(q_ref.at[q_index], mask2d(row_valid, col_mask, (block_q, head_dim_padded)))
   q = q.astype(compute_dtype)
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxflash import _checks, configs, score_mods
 from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load, load_masked, mask2d, pl,
                               quiet, store, use_interpret)
+from jaxflash._util import dot_precision
 from jaxflash.configs import PrefillConfig
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import ScoreMods, key_blocks, window_size
@@ -107,8 +108,8 @@ def _prefill_kernel(
   col_mask = None if head_dim == head_dim_padded else jnp.arange(head_dim_padded) < head_dim
 
   compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
-  # float32 inputs get IEEE dots (not TF32) so they stay exact to ~1e-6.
-  dot_kwargs = dict(allow_tf32=False) if compute_dtype == jnp.float32 else {}
+  # float32 inputs get IEEE dots (not TF32) unless jax.default_matmul_precision asks less.
+  dot_kwargs = dict(precision=dot_precision(compute_dtype))
   q = load_masked(q_ref, mask2d(row_valid, col_mask, (block_q, head_dim_padded)))
   q = q.astype(compute_dtype)
 

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jaxflash import _checks, configs, score_mods
 from jaxflash._triton import (LOG2_E, CompilerParams, dot, exp2, load, load_masked, mask2d, pl, quiet,
                               store, use_interpret)
+from jaxflash._util import dot_precision
 from jaxflash.configs import BackwardConfig
 from jaxflash.prefill import APPROX_EXP2, _block_size, _load_tile, _operand_spec
 from jaxflash.reference import attention_reference
@@ -131,7 +132,7 @@ def _dkdv_kernel(
   in_keys = keys < seq_kv if seq_kv % block_k else None  # bias/mask keys to load
   col_mask = None if head_dim == head_dim_padded else jnp.arange(head_dim_padded) < head_dim
   compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
-  dot_kwargs = dict(allow_tf32=False) if compute_dtype == jnp.float32 else {}
+  dot_kwargs = dict(precision=dot_precision(compute_dtype))
 
   # Keys past the valid ones load as zeros; their dK/dV rows are computed like any other
   # (each key's gradient depends on its own column of P only) and stored as zeros.
@@ -261,7 +262,7 @@ def _dq_kernel(
   in_rows = rows < seq_q if seq_q % block_q else None
   col_mask = None if head_dim == head_dim_padded else jnp.arange(head_dim_padded) < head_dim
   compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
-  dot_kwargs = dict(allow_tf32=False) if compute_dtype == jnp.float32 else {}
+  dot_kwargs = dict(precision=dot_precision(compute_dtype))
 
   row_mask = mask2d(row_valid, col_mask, (block_q, head_dim_padded))
   q = load_masked(q_ref, row_mask).astype(compute_dtype)
