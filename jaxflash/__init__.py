@@ -6,7 +6,7 @@ Attention: `attention` (a drop-in for `jax.nn.dot_product_attention`), the kerne
 Decode-step fusions for Llama / Qwen-style layers live in `jaxflash.fused` (their functions
 are re-exported here).
 """
-from jaxflash.attention import IMPLEMENTATIONS, PREFILL_IMPLEMENTATIONS, attention, prefill_attention
+from jaxflash.attention import IMPLEMENTATIONS, PREFILL_IMPLEMENTATIONS, attention, mosaic_reason, prefill_attention
 from jaxflash.configs import (BackwardConfig, DecodeConfig, PrefillConfig, backward_config, decode_config,
                               num_splits, prefill_config)
 from jaxflash.decode import SplitKV, decode_attention
@@ -25,6 +25,6 @@ __all__ = [
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
     "SplitKV", "project_split_kv", "BackwardConfig", "backward_config", "PREFILL_IMPLEMENTATIONS",
-    "MosaicPrefillConfig", "mosaic_prefill_config",
+    "MosaicPrefillConfig", "mosaic_prefill_config", "mosaic_reason",
 ]
 __version__ = "0.1.0"
