@@ -17,6 +17,7 @@ import numpy as np
 from bench.timing import error_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results" / "h200"
+STUDIES_DIR = Path(__file__).resolve().parent / "studies" / "results"  # sweeps and one-off studies
 
 
 def _jsonable(x):

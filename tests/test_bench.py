@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import cli, report, timing, trace
+from bench import cli, index, readme_tables, report, suite, timing, trace
 
 
 def _synthetic_trace() -> dict:
@@ -191,7 +191,9 @@ def test_shared_options_and_time_limit():
   assert not cli.TimeLimit(60.0).exhausted() and cli.TimeLimit(-1.0).exhausted()
 
 
-@pytest.mark.parametrize("script", ["prefill", "decode", "generate", "generate_tp", "profile_step", "power"])
+@pytest.mark.parametrize("script", ["prefill", "decode", "generate", "generate_tp", "accuracy", "windowed",
+                                    "paged_prefill", "train", "serve", "studies.profile_step",
+                                    "studies.power", "studies.decode_options", "studies.mosaic_sweep"])
 def test_scripts_import_as_modules(script):
   """Every benchmark runs as `python -m bench.<script>`, without editing sys.path."""
   import sys
@@ -202,7 +204,7 @@ def test_scripts_import_as_modules(script):
 
 def test_mosaic_sweep_configs_parse_from_their_names():
   """Every config the Mosaic sweep names is a valid MosaicPrefillConfig, its flags as named."""
-  from bench import mosaic_sweep
+  from bench.studies import mosaic_sweep
   from jaxflash.mosaic import MosaicPrefillConfig
   config = mosaic_sweep.parse_config("64x128x2nposwr")
   assert config == MosaicPrefillConfig(64, 128, 2, named_schedule=True, persistent=True,
@@ -215,3 +217,125 @@ def test_mosaic_sweep_configs_parse_from_their_names():
   names = list(mosaic_sweep.SWEEP_CONFIGS) + [c for cs in mosaic_sweep.HEAD_DIM_SWEEP.values() for c in cs]
   for name in names:
     assert isinstance(mosaic_sweep.parse_config(name), MosaicPrefillConfig), name
+
+
+def test_suite_lists_every_benchmark_once_and_owns_every_result_file():
+  """The suite's table names each result file in bench/results/h200 (no file of removed code)."""
+  names = [b.name for b in suite.SUITE]
+  assert len(names) == len(set(names))
+  owned = {stem for b in suite.SUITE for stem in b.results}
+  on_disk = {p.stem for p in report.RESULTS_DIR.glob("*.json")}
+  assert on_disk <= owned, on_disk - owned
+  assert not list(report.RESULTS_DIR.glob("*.log")) and not list(report.RESULTS_DIR.glob("*.txt"))
+
+
+def test_suite_providers_are_the_scripts_own():
+  from bench import prefill, train
+  by_name = {b.name: b for b in suite.SUITE}
+  assert by_name["prefill"].providers == prefill.IMPLS
+  assert by_name["train"].providers == train.IMPLS
+
+
+def test_peer_providers_join_when_they_import(monkeypatch):
+  prefill = suite.select("prefill")[0]
+  importable = {"flash_attn3_jax"}
+  monkeypatch.setattr(suite.importlib.util, "find_spec", lambda name: object() if name in importable else None)
+  assert "fa3" in prefill.available_providers() and "tokamax" not in prefill.available_providers()
+  argv = prefill.argv(prefill.shapes[1], quick=True, out="/tmp/r")
+  assert argv[:2] == ["--head-dim", "64"] and "--quick" in argv and argv[argv.index("--out") + 1] == "/tmp/r"
+  assert argv[argv.index("--impls") + 1:] == list(prefill.available_providers())
+  train = suite.select("train")[0]
+  listed = train.argv(train.shapes[0])
+  assert listed[listed.index("--impls") + 1] == ",".join(train.available_providers())
+  assert "--quick" not in suite.select("generate_tp")[0].argv(suite.Shape("x"), quick=True)
+
+
+def test_suite_selects_by_name():
+  assert [b.name for b in suite.select("decode,prefill")] == ["prefill", "decode"]
+  assert len(suite.select(None)) == len(suite.SUITE)
+  with pytest.raises(ValueError, match="nosuch"):
+    suite.select("prefill,nosuch")
+
+
+def test_suite_dry_run_names_every_command(capsys):
+  from bench import __main__ as bench_main
+  assert bench_main.main(["--dry-run", "--quick"]) == 0
+  printed = capsys.readouterr().out
+  for b in suite.SUITE:
+    assert f"python -m {b.module}" in printed
+  assert printed.count("=== prefill [") == 3
+
+
+def test_suite_quick_run_on_cpu_writes_results_and_index(tmp_path, monkeypatch):
+  """`python -m bench --only accuracy --quick` end to end on the CPU (one tiny case)."""
+  from bench import __main__ as bench_main
+  from bench import accuracy
+  monkeypatch.setattr(accuracy, "quick_cases", lambda: [accuracy.Case("dominant_key", 32, 32, margin=60.0)])
+  assert bench_main.main(["--only", "accuracy", "--quick", "--out", str(tmp_path)]) == 0
+  data = json.loads((tmp_path / "accuracy.json").read_text())
+  assert [r["which"] for r in data["rows"]] == list(accuracy.WHICH)
+  assert all(r["jaxflash_err"] is not None and r["cudnn_err"] is None for r in data["rows"])
+  assert (tmp_path / "accuracy.md").exists() and (tmp_path / "accuracy.png").exists()
+  listing = (tmp_path / "README.md").read_text()
+  assert "| accuracy | Attention accuracy on hard inputs" in listing and "[json](accuracy.json)" in listing
+
+
+def _result(path, commit, rows):
+  path.write_text(json.dumps({"name": path.stem, "meta": {"commit": commit, "device": "NVIDIA H200",
+                                                          "date": "2026-12-05T08:00:00+00:00"},
+                              "rows": rows}))
+
+
+def _suite_run(tmp_path, commits):
+  prefill = {"batch": 1, "n": 4096, "jaxflash_tflops": 600.0, "jaxflash_pct": 74.0, "cudnn_tflops": 400.0,
+             "fa3_tflops": 500.0, "tokamax_tflops": None}
+  decode = {"batch": 1, "context": 32768, "jaxflash_gbs": 2400.0, "jaxflash_pct": 52.0, "cudnn_gbs": 2000.0}
+  generate = [{"batch": 1, "prompt": 1024, "impl": i, "loop_ms_step": ms, "loop_over_floor": 2.0,
+               "tokens_per_s": 700.0} for i, ms in (("jaxflash paged", 1.3), ("cudnn", 1.4))]
+  accuracy_rows = [{"case": "peaky", "n": 4096, "d": 128, "which": w, "ratio": 1.1, "ratio_triton": 1.0}
+                   for w in ("out", "lse", "dq", "dk", "dv")]
+  for (name, rows), commit in zip((("prefill", [prefill, {**prefill, "n": 1024}]), ("decode", [decode]),
+                                   ("generate", generate), ("accuracy", accuracy_rows)), commits):
+    _result(tmp_path / f"{name}.json", commit, rows)
+
+
+def test_readme_tables_come_from_one_commit(tmp_path):
+  _suite_run(tmp_path, ["abc1234"] * 4)
+  tables = readme_tables.render(tmp_path)
+  assert "| 1 × 4096 | 600 (74%) | – | 400 | 500 | – | – | 1.50 | 1.20 |" in tables["prefill"]
+  assert "1 × 1024" not in tables["prefill"]  # from 2K keys on
+  assert "| 1 × 32K | 2400 (52%) | – | 2000 | – | 1.20 |" in tables["decode"]
+  assert "| 1 × 1K | 1.30 | 1.40 | – | – | 2.00 | 700 |" in tables["generate"]
+  assert "commit abc1234" in tables["accuracy"]
+  readme = "a\n<!-- table:prefill -->\nold\n<!-- /table:prefill -->\nb\n"
+  filled = readme_tables.fill(readme, {"prefill": tables["prefill"]})
+  assert "old" not in filled and filled.startswith("a\n<!-- table:prefill -->\n| B × n |")
+  assert filled.endswith("<!-- /table:prefill -->\nb\n")
+  with pytest.raises(ValueError, match="decode"):
+    readme_tables.fill(readme, {"decode": "x"})
+
+
+@pytest.mark.parametrize("commits", [["abc1234", "abc1234", "def5678", "abc1234"],
+                                     ["abc1234", None, "abc1234", "abc1234"],
+                                     ["abc1234+changes"] * 4])
+def test_readme_tables_refuse_mixed_commits(tmp_path, commits):
+  _suite_run(tmp_path, commits)
+  with pytest.raises(readme_tables.NotOneRun, match="one commit"):
+    readme_tables.render(tmp_path)
+  readme = tmp_path / "README.md"
+  readme.write_text("<!-- table:prefill -->\nold\n<!-- /table:prefill -->\n")
+  assert readme_tables.main(["--results", str(tmp_path), "--readme", str(readme)]) == 2
+  assert "old" in readme.read_text()  # nothing written
+
+
+def test_readme_has_a_marker_pair_for_every_generated_table():
+  text = readme_tables.README.read_text()
+  for table in readme_tables.TABLES:
+    assert f"<!-- table:{table.name} -->" in text and f"<!-- /table:{table.name} -->" in text
+
+
+def test_index_lists_every_result(tmp_path):
+  _suite_run(tmp_path, ["abc1234"] * 4)
+  (tmp_path / "decode.md").write_text("x")
+  listing = index.write_index(tmp_path).read_text()
+  assert listing.count("| abc1234 |") == 4 and "[md](decode.md)" in listing and "Commits: abc1234." in listing

@@ -4,7 +4,7 @@ kernels grouped by what launched them (the model's named scopes), next to the wa
 Also measures the GEMV rate of XLA's matmuls at the model's projection shapes (batch 1,
 bf16, every weight read cold), the ceiling a batch-1 decode step is made of.
 
-  python -m bench.profile_step [--model 1.5b] [--batch 1] [--prompt 1024] [--out DIR]
+  python -m bench.studies.profile_step [--model 1.5b] [--batch 1] [--prompt 1024] [--out DIR]
 """
 from __future__ import annotations
 

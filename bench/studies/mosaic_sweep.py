@@ -6,10 +6,10 @@ Every figure is device time (the sum of the call's GPU kernel durations in a JAX
 trace, bench.timing), all implementations in one process: jaxflash's Mosaic kernel,
 jaxflash's Pallas-Triton prefill and cuDNN (jax.nn.dot_product_attention, "cudnn").
 
-  python -m bench.mosaic_sweep                  # sweeps (d = 128 at 8192 and 32768; d = 64
+  python -m bench.studies.mosaic_sweep                  # sweeps (d = 128 at 8192 and 32768; d = 64
                                                 #   and 256 at 8192), then the table
-  python -m bench.mosaic_sweep --no-sweep --sizes 4096 16384
-  python -m bench.mosaic_sweep --configs 64x128x2 64x128x3 64x128x2a   # a: auto_barriers
+  python -m bench.studies.mosaic_sweep --no-sweep --sizes 4096 16384
+  python -m bench.studies.mosaic_sweep --configs 64x128x2 64x128x3 64x128x2a   # a: auto_barriers
                                                 # (flags: parse_config)
 
 Writes mosaic_sweep.json to --out (default $OUT when set, else bench/results/h200) and
@@ -30,7 +30,7 @@ from bench import environment, timing
 from bench.ceilings import measure as measure_ceilings
 from bench.cli import log
 from bench.prefill import HEAD_DIM, causal_flops, make_inputs
-from bench.report import RESULTS_DIR
+from bench.report import STUDIES_DIR
 import jaxflash
 from jaxflash import mosaic
 
@@ -129,7 +129,7 @@ def main(argv=None):
   p.add_argument("--no-head-dims", dest="head_dims", action="store_false",
                  help="skip the d = 64 and d = 256 sweeps")
   p.add_argument("--no-batch4", dest="batch4", action="store_false", help="skip the 4 x 4096 row")
-  p.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS_DIR))
+  p.add_argument("--out", default=os.environ.get("OUT") or str(STUDIES_DIR))
   args = p.parse_args(argv)
 
   result = {"meta": environment.env_metadata(), "ceilings": measure_ceilings(), "sweep": [], "table": []}

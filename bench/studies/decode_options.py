@@ -16,8 +16,8 @@ the bytes those layers touch (windows only, for the windowed rows) add up to at 
 --min-mib, so every read is cold (the H200's L2 holds 60 MB); time per layer = device time /
 L. Layer 0's answer is checked against a float32 jax.nn reference of the same semantics.
 
-  python -m bench.decode_options [--out DIR]     # GPU (H200: ~3 min, ~40 GB of caches)
-  python -m bench.decode_options --smoke         # tiny CPU run, interpret mode
+  python -m bench.studies.decode_options [--out DIR]     # GPU (H200: ~3 min, ~40 GB of caches)
+  python -m bench.studies.decode_options --smoke         # tiny CPU run, interpret mode
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from bench import timing
 from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.report import STUDIES_DIR
 from bench.decode import HEAD_DIM, make_layers
 from bench.report import markdown_table, value_with_pct, write_results
 
@@ -174,6 +175,7 @@ def main(argv=None):
                         quick="the windowed row only")
   p.add_argument("--min-mib", type=float, default=512.0, help="bytes the layers of a row touch, MiB")
   p.add_argument("--max-sites", type=int, default=64, help="layers per compiled call")
+  p.set_defaults(out=str(STUDIES_DIR))  # a study's results stay out of the benchmark index
   args = p.parse_args(argv)
   time_limit = TimeLimit(getattr(args, "time_limit_s", None) or getattr(args, "budget_s", limit))
   if args.smoke:

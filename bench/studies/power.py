@@ -12,8 +12,8 @@ Workloads: the bf16 matmul 8192^3 (the ceiling the other tables quote), and caus
 (Qwen2.5-1.5B attention: 12 query heads, 2 KV heads, d = 128, bf16) at n = 16384 and 32768
 for jaxflash's default path, tokamax's Mosaic kernel and FlashAttention-3 when importable.
 
-  python -m bench.power [--seconds 8] [--out DIR]     # GPU, about a minute
-  python -m bench.power --smoke                       # tiny CPU run (no samples, no clock)
+  python -m bench.studies.power [--seconds 8] [--out DIR]     # GPU, about a minute
+  python -m bench.studies.power --smoke                       # tiny CPU run (no samples, no clock)
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from bench import peers
 from bench.cli import TimeLimit, begin_run, bench_arguments, log
+from bench.report import STUDIES_DIR
 from bench.prefill import causal_flops, make_inputs
 from bench.report import write_results
 from bench.timing import device_times_us, free_memory, try_call
@@ -95,6 +96,7 @@ def workloads(smoke: bool, quick: bool):
 def main(argv=None):
   p = bench_arguments(__doc__, smoke="tiny CPU run", time_limit_s=240.0, quick="n = 16384 only")
   p.add_argument("--seconds", type=float, default=8.0, help="seconds of back-to-back calls a workload")
+  p.set_defaults(out=str(STUDIES_DIR))  # a study's results stay out of the benchmark index
   args = p.parse_args(argv)
   limit = TimeLimit(args.time_limit_s)
   seconds = 0.2 if args.smoke else args.seconds
