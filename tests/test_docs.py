@@ -39,3 +39,21 @@ def test_a_name_behind_the_attention_function_does_not_resolve():
   with pytest.raises(AttributeError):
     _resolve("jaxflash.attention.mosaic_reason")
   assert _resolve("jaxflash.mosaic_reason").__name__ == "mosaic_reason"
+
+
+DOCUMENTS = ["README.md", "bench/PERFORMANCE.md", "bench/studies/results/mosaic_prefill_runs.md"]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_relative_links_lead_to_files(document):
+  """Every relative Markdown link (results, logs, sources) names a file of the repository."""
+  path = README.parent / document
+  links = re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", path.read_text())
+  missing = [link for link in links if not (path.parent / link).exists()]
+  assert links and not missing, missing
+
+
+def test_readme_is_short_and_says_what_is_current():
+  text = README.read_text()
+  assert len(text.splitlines()) <= 200
+  assert not re.search(r"\bbefore (the|a|an) [\w-]+ (fix|restructure|reference)", text)
