@@ -288,18 +288,19 @@ COLUMNS = [("case", "case"), ("n", "n"), ("d", "d"), ("heads", "heads N/K"), ("b
            ("ratio_triton", "jaxflash/Triton", "{:.2f}")]
 
 
-def collect(args, limit: runner.TimeLimit) -> tuple[list[dict], list[str]]:
+def collect(args, run: runner.Run) -> tuple[list[dict], list[str]]:
   """Every case's rows (the cases left when the time limit ends are named in the notes)."""
   cases = quick_cases() if args.quick or args.smoke else full_cases()
   if not takes_segment_ids():
     cases = [c for c in cases if c.kind != "documents"]
   rows, skipped = [], []
   for case in cases:
-    if limit.exhausted():
+    if run.limit.exhausted():
       skipped.append(f"{case.name} n={case.n} d={case.d}")
       continue
     runner.log(f"{case.name} n={case.n} d={case.d} heads={case.heads}/{case.kv_heads} B={case.batch}")
     rows += run_case(case)
+    run.save(rows)
   notes = [__doc__.split("\n\n")[2].replace("\n", " ")]
   if skipped:
     notes.append("not run (time limit): " + ", ".join(skipped))

@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import timing
-from bench.cli import TimeLimit, begin_run, bench_arguments, log
-from bench.report import format_value, value_with_pct, write_results
+from bench.cli import log
+from bench.report import format_value, value_with_pct
+from bench.runner import Benchmark, Run
+from bench.runner import main as run_benchmark
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
@@ -84,44 +86,48 @@ def columns(page_sizes):
   return cols
 
 
-def main(argv=None):
-  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", time_limit_s=240.0,
-                             quick="4K and 32K keys only")
-  args = p.parse_args(argv)
-  budget = TimeLimit(args.time_limit_s)
+PAGE_SIZES = (16, 64)
+
+
+def collect(args, run: Run):
+  """Rows of contiguous and paged prefill at each length, for a whole prompt and for a chunk."""
   if args.smoke:
-    ns, chunk, page_sizes, ceiling_args = [128, 256], 64, (16, 64), dict(matmul_n=256, hbm_gib=1 / 64)
+    ns, chunk = [128, 256], 64
   else:
-    ns = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768]
-    chunk, page_sizes, ceiling_args = CHUNK, (16, 64), dict(matmul_n=8192, hbm_gib=4.0)
-  meta, out_dir = begin_run("paged_prefill", args, **ceiling_args)
-  meta.update(title="Paged prefill vs contiguous prefill (device time)",
-              shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                          dtype="bfloat16", causal="bottom_right", batch=1),
-              flops="4 d per visible (query, key) pair and head")
-  ceiling = meta["ceilings"].get("matmul_tflops")
+    ns, chunk = ([4096, 32768] if args.quick else [4096, 8192, 16384, 32768]), CHUNK
+  run.meta.update(shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                              dtype="bfloat16", causal="bottom_right", batch=1),
+                  flops="4 d per visible (query, key) pair and head")
+  ceiling = run.meta["ceilings"].get("matmul_tflops")
   rows, notes = [], []
   for n in ns:
     for t in (n, chunk):
-      if budget.exhausted():
-        notes.append(f"n={n} T={t}: skipped (time budget)")
+      if run.limit.exhausted():
+        notes.append(f"n={n} T={t}: skipped (time limit)")
         continue
-      log(f"[{budget.elapsed():6.1f}s] n={n} T={t}")
-      row, err = timing.try_call(bench_row, n, t, page_sizes, ceiling)
+      log(f"[{run.limit.elapsed():6.1f}s] n={n} T={t}")
+      row, err = timing.try_call(bench_row, n, t, PAGE_SIZES, ceiling)
       if err:
         notes.append(f"n={n} T={t}: row failed: {err[:300]}")
         continue
       notes += [f"n={n} T={t} {name}: {e[:300]}" for name, e in row.pop("errors").items()]
       log("  " + ", ".join(f"{k} {format_value(row.get(k))}" for k in row if k.endswith("_us")))
       rows.append(row)
-      write_results("paged_prefill", rows, meta, columns(page_sizes), out_dir=out_dir, notes=notes)
-  paths = write_results(
-      "paged_prefill", rows, meta, columns(page_sizes), out_dir=out_dir, notes=notes,
-      plot={"x": "n", "y": [f"paged{p}_over_contiguous" for p in page_sizes], "logx": True,
-            "where": lambda r: r["t"] == r["n"], "xlabel": "keys n (whole prompt, batch 1)",
-            "ylabel": "paged time / contiguous time", "title": "Paged prefill overhead",
-            "labels": {f"paged{p}_over_contiguous": f"{p}-token pages" for p in page_sizes}})
-  log(f"wrote {paths['md']}")
+      run.save(rows, notes)
+  return rows, notes
+
+
+BENCHMARK = Benchmark(
+    name="paged_prefill", doc=__doc__, collect=collect, columns=columns(PAGE_SIZES), time_limit_s=240.0,
+    smoke="tiny CPU run end to end (interpret mode)", quick="4K and 32K keys only",
+    plot={"x": "n", "y": [f"paged{p}_over_contiguous" for p in PAGE_SIZES], "logx": True,
+          "where": lambda r: r["t"] == r["n"], "xlabel": "keys n (whole prompt, batch 1)",
+          "ylabel": "paged time / contiguous time", "title": "Paged prefill overhead",
+          "labels": {f"paged{p}_over_contiguous": f"{p}-token pages" for p in PAGE_SIZES}})
+
+
+def main(argv=None):
+  run_benchmark(BENCHMARK, argv)
   return 0
 
 

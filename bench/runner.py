@@ -1,6 +1,6 @@
 """One benchmark's run, shared: parse its options, start its clock and metadata, collect its
 rows, write its JSON + MD + PNG. A benchmark is a `Benchmark` (what it measures and how its
-table reads); `main(benchmark, argv)` runs it."""
+table reads); `main(benchmark, argv)` runs it, so a script's main() is one line."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +16,10 @@ from bench.timing import error_text  # noqa: F401 -- re-exported
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
   """name: its result files' stem; doc: its module docstring (the first line is --help's);
-  collect(args, limit) -> (rows, notes); columns and plot: report.write_results'; ceilings:
-  measure the matmul and HBM ceilings into the metadata (kernel timings) or not (accuracy);
-  arguments(parser): the benchmark's own options."""
+  collect(args, run) -> (rows, notes), where run is the `Run` (its time limit, metadata and
+  partial saves); columns and plot: report.write_results'; ceilings: measure the matmul and HBM
+  ceilings into the metadata (kernel timings) or not (accuracy); arguments(parser): the
+  benchmark's own options."""
   name: str
   doc: str
   collect: Callable
@@ -29,6 +30,21 @@ class Benchmark:
   plot: dict | None = None
   ceilings: bool = True
   arguments: Callable | None = None
+
+
+@dataclasses.dataclass
+class Run:
+  """One run in progress: its options, time limit, metadata (a benchmark may add to it) and
+  where it writes; save() writes the rows so far, so that a run cut short keeps them."""
+  benchmark: Benchmark
+  args: object
+  limit: TimeLimit
+  meta: dict
+  out_dir: Path
+
+  def save(self, rows, notes=(), *, plot=None) -> dict:
+    return report.write_results(self.benchmark.name, rows, self.meta, self.benchmark.columns, plot,
+                                out_dir=self.out_dir, notes=notes)
 
 
 def parse(benchmark: Benchmark, argv=None):
@@ -43,23 +59,16 @@ def main(benchmark: Benchmark, argv=None) -> dict:
   """Runs `benchmark` with the command line `argv`; returns the paths written."""
   args = parse(benchmark, argv)
   if benchmark.ceilings:
-    small = args.smoke or not _has_gpu()
-    meta, out_dir = cli.begin_run(benchmark.name, args, matmul_n=256 if small else 8192,
-                                  hbm_gib=1 / 64 if small else 4.0)
+    meta, out_dir = cli.begin_run(benchmark.name, args, matmul_n=256 if args.smoke else 8192,
+                                  hbm_gib=1 / 64 if args.smoke else 4.0)
   else:
     out_dir = cli.smoke_out_dir(benchmark.name) if args.smoke else Path(args.out or report.RESULTS_DIR)
     meta = env_metadata()
     meta.update(smoke=args.smoke, quick=getattr(args, "quick", False))
     log(f"{benchmark.name} on {meta['device']} ({meta['backend']}), jax {meta['versions'].get('jax')}")
   meta.setdefault("title", benchmark.doc.split("\n")[0].rstrip("."))
-  limit = TimeLimit(args.time_limit_s)
-  rows, notes = benchmark.collect(args, limit)
-  paths = report.write_results(benchmark.name, rows, meta, benchmark.columns, benchmark.plot,
-                               out_dir=out_dir, notes=notes)
-  log(f"wrote {paths['json']} ({len(rows)} rows, {limit.elapsed():.0f} s)")
+  run = Run(benchmark, args, TimeLimit(args.time_limit_s), meta, out_dir)
+  rows, notes = benchmark.collect(args, run)
+  paths = run.save(rows, notes, plot=benchmark.plot)
+  log(f"wrote {paths['json']} ({len(rows)} rows, {run.limit.elapsed():.0f} s)")
   return paths
-
-
-def _has_gpu() -> bool:
-  from bench.timing import has_gpu
-  return has_gpu()

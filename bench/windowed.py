@@ -22,8 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bench.cli import TimeLimit, begin_run, bench_arguments, log
-from bench.report import format_value, markdown_table, write_results
+from bench.cli import log
+from bench.report import format_value, markdown_table
+from bench.runner import Benchmark, Run
+from bench.runner import main as run_benchmark
 from bench.timing import device_times_us, free_memory, try_call
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
@@ -150,20 +152,14 @@ def columns():
           ("speedup_over_no_window", "time saved (x)", "{:.2f}")]
 
 
-def main(argv=None):
-  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)",
-                             time_limit_s=420.0, quick="one window size")
-  args = p.parse_args(argv)
-  time_limit = TimeLimit(args.time_limit_s)
+def collect(args, run: Run):
+  """The window rows at 32K, the mask and bias rows at 8K, and the accuracy note."""
   if args.smoke:
     window_n, windows, option_n, doc, acc_n = 256, (64, 32), 128, 32, 64
-    ceiling_args = dict(matmul_n=256, hbm_gib=1 / 64)
   else:
     window_n, windows, option_n, doc, acc_n = 32768, (4096, 1024), 8192, 1024, 2048
     windows = windows[:1] if args.quick else windows
-    ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
-  meta, out_dir = begin_run("windowed", args, **ceiling_args)
-  meta.update(
+  run.meta.update(
       title="Prefill with a sliding window, a mask or a bias: TFLOP/s of in-window work",
       shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
                   dtype="bfloat16", causal=True, batch=1),
@@ -175,9 +171,9 @@ def main(argv=None):
       ("mask", "document mask [1, 1, n, n]"), ("alibi", "ALiBi bias [1, N, n, n]"),
       ("bias", "bias [1, 1, n, n]")]
   for kind, what in cells:
-    log(f"[{time_limit.elapsed():6.1f}s] {kind} {what}")
+    log(f"[{run.limit.elapsed():6.1f}s] {kind} {what}")
     if kind == "window":
-      row, err = try_call(window_row, window_n, what, time_limit)
+      row, err = try_call(window_row, window_n, what, run.limit)
     else:
       n = option_n
       bias = mask = None
@@ -187,7 +183,7 @@ def main(argv=None):
         bias = alibi_bias(n, NUM_HEADS)
       else:
         bias = alibi_bias(n, 1)
-      row, err = try_call(option_row, n, what, bias, mask, time_limit)
+      row, err = try_call(option_row, n, what, bias, mask, run.limit)
       del bias, mask
     if err:
       notes.append(f"{kind} {what}: row failed: {err[:300]}")
@@ -197,17 +193,24 @@ def main(argv=None):
     for impl, e in row["errors"].items():
       notes.append(f"{row['case']} n={row['n']} {LABELS[impl]}: {e[:300]}")
     log("  " + ", ".join(f"{i} {format_value(row.get(f'{i}_tflops'))}" for i in IMPLS))
-    write_results("windowed", rows, meta, columns(), out_dir=out_dir, notes=notes)
+    run.save(rows, notes)
 
   acc, err = try_call(accuracy, acc_n, max(acc_n // 8, 1))
-  meta["accuracy"] = {"n": acc_n, "reference": "jax.nn xla, float32 (precision highest), same bf16 inputs",
-                      "max_abs_error": acc if acc else err}
+  run.meta["accuracy"] = {"n": acc_n, "reference": "jax.nn xla, float32 (precision highest), same bf16 inputs",
+                          "max_abs_error": acc if acc else err}
   notes.append(f"max abs error vs jax.nn float32 at n={acc_n}: {acc if acc else err}")
   notes.append("window / no window: jaxflash's in-window TFLOP/s with the window over its causal "
                "TFLOP/s without one (issue 22 asks >= 0.9); jaxflash / cuDNN asks >= 1.0.")
-  paths = write_results("windowed", rows, meta, columns(), out_dir=out_dir, notes=notes)
-  log(f"\n[{time_limit.elapsed():6.1f}s] results in {paths['json'].parent}")
   log(markdown_table(rows, columns()))
+  return rows, notes
+
+
+BENCHMARK = Benchmark(name="windowed", doc=__doc__, collect=collect, columns=columns(), time_limit_s=420.0,
+                      smoke="tiny CPU run end to end (interpret mode)", quick="one window size")
+
+
+def main(argv=None):
+  return run_benchmark(BENCHMARK, argv)
 
 
 if __name__ == "__main__":

@@ -339,3 +339,35 @@ def test_index_lists_every_result(tmp_path):
   (tmp_path / "decode.md").write_text("x")
   listing = index.write_index(tmp_path).read_text()
   assert listing.count("| abc1234 |") == 4 and "[md](decode.md)" in listing and "Commits: abc1234." in listing
+
+
+def test_runner_runs_a_benchmark_from_its_declaration(tmp_path):
+  """A benchmark declares what it measures; the runner parses, limits, saves as it goes, writes."""
+  from bench import runner
+  saved = []
+
+  def collect(args, run):
+    rows = [{"n": n, "ms": n / 10} for n in (args.n, 2 * args.n)]
+    saved.append(run.save(rows[:1])["json"].exists())  # a partial save, as a long run makes
+    run.meta["shapes"] = {"n": args.n}
+    return rows, ["a note"] + (["limit"] if run.limit.exhausted() else [])
+
+  toy = runner.Benchmark(name="toy", doc="A toy benchmark.\n\nMore.", collect=collect,
+                         columns=[("n", "n"), ("ms", "ms")], time_limit_s=60.0, smoke="tiny",
+                         ceilings=False, arguments=lambda p: p.add_argument("--n", type=int, default=4),
+                         plot={"x": "n", "y": "ms"})
+  paths = runner.main(toy, ["--n", "8", "--out", str(tmp_path)])
+  data = json.loads(paths["json"].read_text())
+  assert saved == [True] and [r["n"] for r in data["rows"]] == [8, 16]
+  assert data["meta"]["title"] == "A toy benchmark" and data["meta"]["shapes"] == {"n": 8}
+  assert data["notes"] == ["a note"] and data["meta"]["commit"]
+  assert (tmp_path / "toy.md").read_text().startswith("# A toy benchmark")
+  with pytest.raises(SystemExit):
+    runner.main(toy, ["--no-such-option"])
+
+
+@pytest.mark.parametrize("script", ["accuracy", "windowed", "paged_prefill"])
+def test_scripts_on_the_runner_declare_their_benchmark(script):
+  module = importlib.import_module(f"bench.{script}")
+  assert module.BENCHMARK.name == script and module.BENCHMARK.name in {
+      stem for b in suite.SUITE for stem in b.results}
