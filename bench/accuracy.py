@@ -16,11 +16,13 @@ offset; a very negative first key block; ragged lengths; sliding windows; packed
 (when jaxflash.attention takes `segment_ids`).
 
   python -m bench.accuracy [--quick] [--out DIR]
+  python -m bench.accuracy --kinds normal,peaky --merge   # a part of the run, kept beside the rest
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 
 import jax
@@ -276,6 +278,14 @@ def run_case(case: Case, seed: int = 0) -> list[dict]:
   return rows
 
 
+def _merged(earlier: list[dict], rows: list[dict], cases: list[Case]) -> list[dict]:
+  """earlier's rows with those of the cases run now replaced, in the order of `cases`."""
+  fresh = {_key(r) for r in rows}
+  merged = [r for r in earlier if _key(r) not in fresh] + rows
+  order = {(c.name, c.n, c.d): i for i, c in enumerate(cases)}
+  return sorted(merged, key=lambda r: order.get((r["case"], r["n"], r["d"]), len(order)))
+
+
 def _ratio(a, b):
   if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
     return None
@@ -288,11 +298,42 @@ COLUMNS = [("case", "case"), ("n", "n"), ("d", "d"), ("heads", "heads N/K"), ("b
            ("ratio_triton", "jaxflash/Triton", "{:.2f}")]
 
 
+def _arguments(parser):
+  parser.add_argument("--kinds", default=None,
+                      help="comma-separated input classes to run (default: all), e.g. normal,dominant_key")
+  parser.add_argument("--merge", action="store_true",
+                      help="keep the other cases' rows of an existing accuracy.json of the same commit "
+                           "(a long run split over several calls)")
+
+
+def _key(row) -> tuple:
+  return row["case"], row["n"], row["d"], row["heads"], row["batch"], row["which"]
+
+
+def _earlier_rows(run: runner.Run) -> list[dict]:
+  """With --merge, the rows of <out>/accuracy.json, which must come from this commit."""
+  path = run.out_dir / "accuracy.json"
+  if not run.args.merge or not path.exists():
+    return []
+  earlier = json.loads(path.read_text())
+  if earlier["meta"].get("commit") != run.meta.get("commit"):
+    raise SystemExit(f"--merge: {path} is of commit {earlier['meta'].get('commit')}, this tree is "
+                     f"{run.meta.get('commit')}; one file holds one commit's rows")
+  return earlier["rows"]
+
+
 def collect(args, run: runner.Run) -> tuple[list[dict], list[str]]:
   """Every case's rows (the cases left when the time limit ends are named in the notes)."""
-  cases = quick_cases() if args.quick or args.smoke else full_cases()
+  cases = all_cases = quick_cases() if args.quick or args.smoke else full_cases()
   if not takes_segment_ids():
     cases = [c for c in cases if c.kind != "documents"]
+  if args.kinds:
+    kinds = set(args.kinds.split(","))
+    unknown = kinds - {c.kind for c in full_cases()}
+    if unknown:
+      raise SystemExit(f"--kinds: no input class {sorted(unknown)}")
+    cases = [c for c in cases if c.kind in kinds]
+  earlier = _earlier_rows(run)
   rows, skipped = [], []
   for case in cases:
     if run.limit.exhausted():
@@ -300,7 +341,8 @@ def collect(args, run: runner.Run) -> tuple[list[dict], list[str]]:
       continue
     runner.log(f"{case.name} n={case.n} d={case.d} heads={case.heads}/{case.kv_heads} B={case.batch}")
     rows += run_case(case)
-    run.save(rows)
+    run.save(_merged(earlier, rows, all_cases))
+  rows = _merged(earlier, rows, all_cases)
   notes = [__doc__.split("\n\n")[2].replace("\n", " ")]
   if skipped:
     notes.append("not run (time limit): " + ", ".join(skipped))
@@ -310,6 +352,7 @@ def collect(args, run: runner.Run) -> tuple[list[dict], list[str]]:
 BENCHMARK = runner.Benchmark(
     name="accuracy", doc=__doc__, collect=collect, columns=COLUMNS, time_limit_s=3000.0,
     smoke="the --quick cases", quick="one tiny case per hard class (the CPU test)", ceilings=False,
+    arguments=_arguments,
     plot={"x": "label", "y": "ratio", "kind": "bar", "figsize": (14, 6), "title": "jaxflash error / cuDNN error",
           "ylabel": "jaxflash / cuDNN"})
 

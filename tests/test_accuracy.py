@@ -69,3 +69,20 @@ def test_max_error_masks_padding_and_flags_nan():
   assert accuracy.max_error(got, ref, valid, relative=False) == 0.5
   assert accuracy.max_error(got, ref, valid, relative=True) == 0.25
   assert np.isnan(accuracy.max_error(np.array([[np.nan, 2.0, 0.0]]), ref, None, relative=False))
+
+
+def test_a_run_in_parts_merges_into_one_file_of_one_commit(tmp_path, monkeypatch):
+  tiny = [accuracy.Case("normal", 32, 32), accuracy.Case("peaky", 32, 32)]
+  monkeypatch.setattr(accuracy, "quick_cases", lambda: tiny)
+  accuracy.main(["--quick", "--kinds", "peaky", "--out", str(tmp_path)])
+  accuracy.main(["--quick", "--kinds", "normal", "--merge", "--out", str(tmp_path)])
+  path = tmp_path / "accuracy.json"
+  rows = json.loads(path.read_text())["rows"]
+  assert [r["case"] for r in rows[::5]] == ["normal", "peaky"]  # the full run's order
+  data = json.loads(path.read_text())
+  data["meta"]["commit"] = "0000000"
+  path.write_text(json.dumps(data))
+  with pytest.raises(SystemExit, match="one commit"):
+    accuracy.main(["--quick", "--kinds", "normal", "--merge", "--out", str(tmp_path)])
+  with pytest.raises(SystemExit, match="no input class"):
+    accuracy.main(["--quick", "--kinds", "nosuch", "--out", str(tmp_path)])
