@@ -41,7 +41,8 @@ def test_a_name_behind_the_attention_function_does_not_resolve():
   assert _resolve("jaxflash.mosaic_reason").__name__ == "mosaic_reason"
 
 
-DOCUMENTS = ["README.md", "bench/PERFORMANCE.md", "bench/studies/results/mosaic_prefill_runs.md"]
+DOCUMENTS = ["README.md", "bench/PERFORMANCE.md", "bench/studies/results/mosaic_prefill_runs.md",
+             "bench/studies/results/backward_fault.md"]
 
 
 @pytest.mark.parametrize("document", DOCUMENTS)

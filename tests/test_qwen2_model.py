@@ -579,7 +579,7 @@ def _kernel_counts(jaxpr, counts=None) -> collections.Counter:
 ])
 def test_decode_step_kernels_of_the_published_shapes(preset, batch, kind, kernels):
   """The kernels a decode step of Qwen2.5-1.5B / 7B launches (abstract shapes, nothing run):
-  the figures of the H200 benchmarks rest on exactly these (bench/profile_step.py)."""
+  the figures of the H200 benchmarks rest on exactly these (bench/studies/profile_step.py)."""
   config = {"1.5b": qwen2.Qwen2Config.qwen2_5_1_5b, "7b": qwen2.Qwen2Config.qwen2_5_7b}[preset]()
   model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                                        param_dtype=jnp.bfloat16))

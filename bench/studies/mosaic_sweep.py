@@ -12,7 +12,7 @@ jaxflash's Pallas-Triton prefill and cuDNN (jax.nn.dot_product_attention, "cudnn
   python -m bench.studies.mosaic_sweep --configs 64x128x2 64x128x3 64x128x2a   # a: auto_barriers
                                                 # (flags: parse_config)
 
-Writes mosaic_sweep.json to --out (default $OUT when set, else bench/results/h200) and
+Writes mosaic_sweep.json to --out (default $OUT when set, else bench/studies/results) and
 prints a short table last.
 """
 from __future__ import annotations
