@@ -1,12 +1,14 @@
 """Attention accuracy on hard inputs, next to cuDNN and the Triton kernel.
 
-jaxflash's error against a float32 reference at HIGHEST precision, next to cuDNN's (jax.nn.dot_product_attention, implementation="cudnn") and the Pallas-Triton
-kernel's (jaxflash.attention, implementation="triton") on the same bf16 inputs, for the output,
-the LSE and the gradients of query, key and value. Causal attention throughout.
+jaxflash's error against a float32 reference at HIGHEST precision, next to cuDNN's
+(jax.nn.dot_product_attention, implementation="cudnn") and the Pallas-Triton kernel's
+(jaxflash.attention, implementation="triton") on the same bf16 inputs, for the output, the LSE
+and the gradients of query, key and value. Causal attention throughout.
 
 Errors: the output and the LSE as the largest absolute difference; each gradient as the largest
 absolute difference over the largest |reference gradient|. Rows a sequence length pads out are
-left out (their values are unspecified in cuDNN). jax.nn rounds cuDNN's LSE to bf16, so its LSE
+left out (their values are unspecified in cuDNN). A NaN or infinity where the reference is
+finite is recorded as the error "nan" (JSON has no NaN). jax.nn rounds cuDNN's LSE to bf16, so its LSE
 error is not reported (null); the LSE is compared with the Triton kernel's instead.
 
 Input classes (scores s = q . k * H**-0.5): standard normal; peaky rows (score std 4); key scale
@@ -239,7 +241,7 @@ def max_error(x, ref, valid, *, relative: bool) -> float:
 
 def errors(case: Case, got, ref) -> dict:
   """{which: error} for one provider's (out, lse, dq, dk, dv)."""
-  rows = query_rows(case)
+  rows = query_rows(case)  # queries = keys per sequence, so the same mask serves dK and dV
   result = {}
   for which, x, r in zip(WHICH, got, ref):
     if x is None:
@@ -274,6 +276,9 @@ def run_case(case: Case, seed: int = 0) -> list[dict]:
     row["ratio"] = _ratio(row["jaxflash_err"], row["cudnn_err"])
     row["ratio_triton"] = _ratio(row["jaxflash_err"], row["triton_err"])
     row["label"] = f"{case.name} n={case.n} d={case.d} {which}"
+    for provider in PROVIDERS:
+      if isinstance(row[f"{provider}_err"], float) and math.isnan(row[f"{provider}_err"]):
+        row[f"{provider}_err"] = "nan"
     rows.append(row)
   return rows
 
@@ -287,14 +292,19 @@ def _merged(earlier: list[dict], rows: list[dict], cases: list[Case]) -> list[di
 
 
 def _ratio(a, b):
-  if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+  numbers = all(isinstance(x, (int, float)) and math.isfinite(x) for x in (a, b))
+  if not numbers:
     return None
   return a / max(b, 1e-12)
 
 
+def _error_cell(err) -> str:
+  return err if isinstance(err, str) else f"{err:.2e}"
+
+
 COLUMNS = [("case", "case"), ("n", "n"), ("d", "d"), ("heads", "heads N/K"), ("batch", "B"),
-           ("which", "which"), ("jaxflash_err", "jaxflash", "{:.2e}"), ("cudnn_err", "cuDNN", "{:.2e}"),
-           ("triton_err", "Triton", "{:.2e}"), ("ratio", "jaxflash/cuDNN", "{:.2f}"),
+           ("which", "which"), ("jaxflash_err", "jaxflash", _error_cell), ("cudnn_err", "cuDNN", _error_cell),
+           ("triton_err", "Triton", _error_cell), ("ratio", "jaxflash/cuDNN", "{:.2f}"),
            ("ratio_triton", "jaxflash/Triton", "{:.2f}")]
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import accuracy
+from bench import accuracy, report
 
 
 def test_quick_run_writes_every_row(tmp_path):
@@ -86,3 +86,20 @@ def test_a_run_in_parts_merges_into_one_file_of_one_commit(tmp_path, monkeypatch
     accuracy.main(["--quick", "--kinds", "normal", "--merge", "--out", str(tmp_path)])
   with pytest.raises(SystemExit, match="no input class"):
     accuracy.main(["--quick", "--kinds", "nosuch", "--out", str(tmp_path)])
+
+
+def test_a_nan_error_is_written_as_nan_not_as_missing(monkeypatch):
+  case = accuracy.Case("normal", 32, 32)
+  real = accuracy.provider_call
+
+  def poisoned(provider, case_):
+    run = real(provider, case_)
+    if provider != "jaxflash":
+      return run
+    return lambda *a: tuple(x if i else x * jnp.nan for i, x in enumerate(run(*a)))
+  monkeypatch.setattr(accuracy, "provider_call", poisoned)
+  rows = {r["which"]: r for r in accuracy.run_case(case)}
+  assert rows["out"]["jaxflash_err"] == "nan" and rows["out"]["ratio_triton"] is None
+  assert isinstance(rows["dq"]["jaxflash_err"], float)
+  table = report.markdown_table(list(rows.values()), accuracy.COLUMNS)
+  assert "| nan |" in table
