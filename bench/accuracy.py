@@ -83,12 +83,15 @@ class Case:
 def full_cases() -> list[Case]:
   """The GPU run: n from 1K to 32K, d = 64 / 128 / 256, GQA, every default configuration."""
   cases = [Case("normal", n, 128) for n in (1024, 4096, 16384)]
-  cases += [Case("normal", 8192, 64), Case("normal", 4096, 256), Case("normal", 8192, 128, heads=8, kv_heads=2)]
-  cases += [Case("peaky", 4096, 128), Case("peaky", 16384, 128), Case("peaky", 8192, 64), Case("peaky", 4096, 256)]
+  cases += [Case("normal", 8192, 64), Case("normal", 4096, 256),
+            Case("normal", 8192, 128, heads=8, kv_heads=2)]
+  cases += [Case("peaky", 4096, 128), Case("peaky", 16384, 128), Case("peaky", 8192, 64),
+            Case("peaky", 4096, 256)]
   cases += [Case("key_scale", 16384, 128), Case("key_scale", 4096, 64), Case("key_scale", 4096, 256)]
   cases += [Case("dominant_key", 4096, 128, margin=m) for m in (20.0, 60.0, 150.0)]
   cases += [Case("dominant_key", 4096, 128, margin=60.0, position=p) for p in (0.0, 0.9)]
-  cases += [Case("dominant_key", 16384, 128, margin=60.0), Case("dominant_key", 32768, 128, margin=60.0, heads=1, kv_heads=1),
+  cases += [Case("dominant_key", 16384, 128, margin=60.0),
+            Case("dominant_key", 32768, 128, margin=60.0, heads=1, kv_heads=1),
             Case("dominant_key", 4096, 256, margin=60.0), Case("dominant_key", 8192, 64, margin=60.0),
             Case("dominant_key", 8192, 128, margin=150.0, heads=5, kv_heads=1)]
   cases += [Case("offset", 8192, 128, margin=100.0), Case("offset", 4096, 256, margin=-100.0)]
@@ -96,7 +99,8 @@ def full_cases() -> list[Case]:
             Case("negative_first_block", 4096, 128, margin=120.0),
             Case("negative_first_block", 8192, 64, margin=120.0)]
   cases += [Case("ragged", 8192, 128, batch=2), Case("ragged", 4096, 256, batch=2)]
-  cases += [Case("normal", 8192, 128, window=1024), Case("dominant_key", 4096, 64, margin=60.0, window=255)]
+  cases += [Case("normal", 8192, 128, window=1024),
+            Case("dominant_key", 4096, 64, margin=60.0, window=255)]
   cases += [Case("documents", 8192, 128)]
   return cases
 
@@ -363,7 +367,8 @@ BENCHMARK = runner.Benchmark(
     name="accuracy", doc=__doc__, collect=collect, columns=COLUMNS, time_limit_s=3000.0,
     smoke="the --quick cases", quick="one tiny case per hard class (the CPU test)", ceilings=False,
     arguments=_arguments,
-    plot={"x": "label", "y": "ratio", "kind": "bar", "figsize": (14, 6), "title": "jaxflash error / cuDNN error",
+    plot={"x": "label", "y": "ratio", "kind": "bar", "figsize": (14, 6),
+          "title": "jaxflash error / cuDNN error",
           "ylabel": "jaxflash / cuDNN"})
 
 

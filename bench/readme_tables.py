@@ -34,7 +34,8 @@ class Table:
 def _size(batch_key: str, n_key: str, k: bool = False):
   def cell(r):
     n = r.get(n_key)
-    return f"{r.get(batch_key)} × {n // 1024}K" if k and n and n % 1024 == 0 else f"{r.get(batch_key)} × {n}"
+    size = f"{n // 1024}K" if k and n and n % 1024 == 0 else f"{n}"
+    return f"{r.get(batch_key)} × {size}"
   return cell
 
 

@@ -22,8 +22,8 @@ class Shape:
 
 
 @dataclasses.dataclass(frozen=True)
-class Benchmark:
-  """name: what --only selects; module: the script (its main(argv) runs one shape);
+class Entry:
+  """A row of the suite. name: what --only selects; module: the script (its main(argv) runs one shape);
   results: the stems of the result files it writes; providers: its table's contenders;
   providers_flag / providers_sep: how its script takes a subset of them; quick: whether the
   script has --quick; min_devices: GPUs it needs (fewer: not run, said so)."""
@@ -41,7 +41,8 @@ class Benchmark:
     return tuple(p for p in self.providers
                  if p not in PEER_MODULES or importlib.util.find_spec(PEER_MODULES[p]) is not None)
 
-  def argv(self, shape: Shape, *, quick: bool = False, smoke: bool = False, out: str | None = None) -> list[str]:
+  def argv(self, shape: Shape, *, quick: bool = False, smoke: bool = False,
+           out: str | None = None) -> list[str]:
     """The script's command line for one shape."""
     argv = list(shape.argv)
     if quick and self.quick:
@@ -61,29 +62,30 @@ _PREFILL_PROVIDERS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "cudnn",
                       "pallas_mha", "xla", "naive")
 _TRAIN_PROVIDERS = ("jaxflash", "jaxflash_default", "cudnn", "fa3", "tokamax", "pallas_mha", "xla")
 
-SUITE: tuple[Benchmark, ...] = (
-    Benchmark("accuracy", "bench.accuracy", ("accuracy",)),
-    Benchmark("prefill", "bench.prefill",
+SUITE: tuple[Entry, ...] = (
+    Entry("accuracy", "bench.accuracy", ("accuracy",)),
+    Entry("prefill", "bench.prefill",
               ("prefill", "prefill_memory", "prefill_sweep", "prefill_d64", "prefill_d64_memory",
                "prefill_d256", "prefill_d256_memory"),
               shapes=(Shape("d128"), Shape("d64", ("--head-dim", "64", "--no-sweep")),
                       Shape("d256", ("--head-dim", "256", "--no-sweep"))),
               providers=_PREFILL_PROVIDERS, providers_flag="--impls"),
-    Benchmark("windowed", "bench.windowed", ("windowed",), providers=("jaxflash", "cudnn", "jaxflash_no_window")),
-    Benchmark("train", "bench.train", ("train", "train_memory", "train_step", "train_sweep"),
+    Entry("windowed", "bench.windowed", ("windowed",), providers=("jaxflash", "cudnn", "jaxflash_no_window")),
+    Entry("train", "bench.train", ("train", "train_memory", "train_step", "train_sweep"),
               providers=_TRAIN_PROVIDERS, providers_flag="--impls", providers_sep=","),
-    Benchmark("decode", "bench.decode", ("decode", "decode_splits", "decode_paged_stages"),
+    Entry("decode", "bench.decode", ("decode", "decode_splits", "decode_paged_stages"),
               providers=("jaxflash", "jaxflash_paged16", "jaxflash_paged256", "cudnn", "xla", "naive",
                          "pallas_gqa", "pallas_paged16", "pallas_paged256")),
-    Benchmark("paged_prefill", "bench.paged_prefill", ("paged_prefill",), providers=("jaxflash",)),
-    Benchmark("generate", "bench.generate", ("generate", "generate_loop_sweep"),
+    Entry("paged_prefill", "bench.paged_prefill", ("paged_prefill",), providers=("jaxflash",)),
+    Entry("generate", "bench.generate", ("generate", "generate_loop_sweep"),
               providers=("jaxflash paged", "jaxflash", "cudnn", "xla", "hf")),
-    Benchmark("serve", "bench.serve", ("serve",), providers=("engine", "engine_no_prefix", "engine_no_chunking", "static")),
-    Benchmark("generate_tp", "bench.generate_tp", ("generate_tp",), quick=False, min_devices=2),
+    Entry("serve", "bench.serve", ("serve",),
+          providers=("engine", "engine_no_prefix", "engine_no_chunking", "static")),
+    Entry("generate_tp", "bench.generate_tp", ("generate_tp",), quick=False, min_devices=2),
 )
 
 
-def select(only: str | None) -> list[Benchmark]:
+def select(only: str | None) -> list[Entry]:
   """The benchmarks named in `only` (comma-separated; None: all), in the suite's order."""
   if not only:
     return list(SUITE)

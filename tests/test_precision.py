@@ -47,7 +47,8 @@ CALLS = {
     "prefill": (lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True), 17),
     "prefill_backward": (jax.grad(lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True).sum(),
                                   argnums=(0, 1, 2)), 17),
-    "decode": (lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True, causal_alignment="bottom_right"), 1),
+    "decode": (lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True,
+                                                  causal_alignment="bottom_right"), 1),
 }
 
 
