@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from bench import peers
-from bench.cli import TimeLimit, begin_run, bench_arguments, log
-from bench.report import format_value, markdown_table, value_with_pct, write_results
+from bench.cli import log
+from bench.report import format_value, markdown_table, value_with_pct
+from bench.runner import Benchmark, Run
+from bench.runner import main as run_benchmark
 from bench.timing import Timing, device_times_us, free_memory, has_gpu, record_rates, try_call
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
@@ -249,9 +250,7 @@ def main_columns():
   return cols
 
 
-def parse_args(argv=None):
-  p = bench_arguments(__doc__, smoke="tiny CPU run end to end (interpret mode)", time_limit_s=360.0,
-                      quick="fewer sizes", sweep=True)
+def _arguments(p):
   p.add_argument("--impls", nargs="*", choices=IMPLS, default=None,
                  help="the contenders to run (default: all; --quick leaves out xla and naive)")
   p.add_argument("--sizes", type=int, nargs="*", default=None,
@@ -259,16 +258,18 @@ def parse_args(argv=None):
   p.add_argument("--head-dim", type=int, default=HEAD_DIM,
                  help="head dim of every row (other than 128: results in prefill_d<H>.*, no "
                       "Triton sweep)")
-  return p.parse_args(argv)
 
 
-def main(argv=None):
-  args = parse_args(argv)
-  limit = TimeLimit(args.time_limit_s)
+def _stem(args) -> str:
+  return "prefill" if args.head_dim == HEAD_DIM else f"prefill_d{args.head_dim}"
+
+
+def collect(args, run: Run):
+  """The TFLOP/s rows, the scratch-memory table and (d = 128) the Triton tile sweep."""
+  limit, meta = run.limit, run.meta
   if args.smoke:
     sizes, acc_n, sweep_n = [(1, 128), (1, 256), (2, 128)], 128, 256
     grid = {"block_q": [64], "block_k": [32, 64], "num_warps": [4], "num_stages": [2]}
-    ceiling_args = dict(matmul_n=256, hbm_gib=1 / 64)
   else:
     # --quick: the sizes of the issue targets, without the materialising XLA paths.
     ns = [2048, 4096, 16384, 32768] if args.quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -276,10 +277,7 @@ def main(argv=None):
     sizes = [(1, n) for n in ns] + [(4, 4096)]
     acc_n, sweep_n = 4096, 8192
     grid = {"block_q": [64, 128], "block_k": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
-    ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
   head_dim = args.head_dim
-  name = "prefill" if head_dim == HEAD_DIM else f"prefill_d{head_dim}"
-  meta, out_dir = begin_run(name, args, **ceiling_args)
   ceiling = meta["ceilings"].get("matmul_tflops")
   meta.update(
       title="Causal prefill: TFLOP/s on device time",
@@ -316,15 +314,14 @@ def main(argv=None):
     for impl, err in row["errors"].items():
       notes.append(f"B={batch} n={n} {LABELS[impl]}: {err[:300]}")
     log("  " + ", ".join(f"{impl} {format_value(row.get(f'{impl}_tflops'))}" for impl in IMPLS))
-    write_results(name, rows, meta, main_columns(), out_dir=out_dir, notes=notes)
+    run.save(rows, notes)
 
   memory_rows = [{"batch": r["batch"], "n": r["n"],
                   **{impl: r.get(f"{impl}_temp_mib") for impl in IMPLS}} for r in rows]
-  sub_meta = {k: v for k, v in meta.items() if k != "notes_header"}
-  write_results(
-      f"{name}_memory", memory_rows, {**sub_meta, "title": "Causal prefill: peak XLA scratch memory (MiB)"},
-      [("batch", "B"), ("n", "n"), *[(impl, LABELS[impl]) for impl in IMPLS]], out_dir=out_dir,
-      notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
+  run.save_table(f"{run.name}_memory", memory_rows,
+                 [("batch", "B"), ("n", "n"), *[(impl, LABELS[impl]) for impl in IMPLS]],
+                 title="Causal prefill: peak XLA scratch memory (MiB)",
+                 notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
 
   sweep_rows = []
   if args.sweep and head_dim == HEAD_DIM:
@@ -333,27 +330,27 @@ def main(argv=None):
     if err:
       sweep_rows = [{"config": "all", "error": err}]
     ranked = sorted(sweep_rows, key=lambda r: -(r.get("tflops") or -1))
-    write_results(
-        "prefill_sweep", ranked, {**sub_meta, "title": f"Prefill tuning sweep, B=1, n={sweep_n}"},
+    run.save_table(
+        "prefill_sweep", ranked,
         [("config", "config"), ("tflops", "TFLOP/s"), ("pct", "% of matmul"), ("smem_kib", "smem KiB (model)"),
          ("default", "default"), ("error", "error", lambda e: e[:80])],
-        plot={"kind": "bar", "x": "config", "y": "tflops", "figsize": (11, 4.5), "title": f"jaxflash prefill configs, n={sweep_n}",
-              "ylabel": "TFLOP/s", "hline": (ceiling, "bf16 matmul ceiling")},
-        out_dir=out_dir)
+        title=f"Prefill tuning sweep, B=1, n={sweep_n}",
+        plot={"kind": "bar", "x": "config", "y": "tflops", "figsize": (11, 4.5),
+              "title": f"jaxflash prefill configs, n={sweep_n}", "ylabel": "TFLOP/s",
+              "hline": (ceiling, "bf16 matmul ceiling")})
 
   acc = meta.get("accuracy", {}).get("max_abs_error", {})
   if acc:
     notes.append(f"max abs error vs float32 attention at B=1 n={acc_n}: " + ", ".join(
         f"{LABELS[i]} {format_value(v) if isinstance(v, float) else v}" for i, v in acc.items()))
-  plot = {"x": "n", "y": [f"{impl}_tflops" for impl in IMPLS], "logx": True,
-          "labels": {f"{impl}_tflops": LABELS[impl] for impl in IMPLS},
-          "where": lambda r: r["batch"] == 1, "xlabel": "sequence length n (batch 1)",
-          "ylabel": "TFLOP/s (device time)", "title": f"Causal prefill, 12 q heads / 2 kv heads, d={head_dim}, bf16",
-          "hline": (ceiling, "bf16 matmul ceiling")}
-  paths = write_results(name, rows, meta, main_columns(), plot=plot, out_dir=out_dir,
-                        notes=notes, extra={"sweep": sweep_rows})
+  run.plot = {"x": "n", "y": [f"{impl}_tflops" for impl in IMPLS], "logx": True,
+              "labels": {f"{impl}_tflops": LABELS[impl] for impl in IMPLS},
+              "where": lambda r: r["batch"] == 1, "xlabel": "sequence length n (batch 1)",
+              "ylabel": "TFLOP/s (device time)",
+              "title": f"Causal prefill, 12 q heads / 2 kv heads, d={head_dim}, bf16",
+              "hline": (ceiling, "bf16 matmul ceiling")}
+  run.extra = {"sweep": sweep_rows}
 
-  log(f"\n[{limit.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
   if sweep_rows:
     best = [r for r in sweep_rows if r.get("tflops")]
     if best:
@@ -364,6 +361,16 @@ def main(argv=None):
       (f"{impl}_tflops", impl) for impl in IMPLS] + [("jf_over_cudnn", "jf/cudnn", "{:.2f}"),
                                                        ("jf_over_best_peer", "jf/peer", "{:.2f}"),
                                                        ("jf_over_mha", "jf/mha", "{:.2f}")]))
+  return rows, notes
+
+
+BENCHMARK = Benchmark(name="prefill", doc=__doc__, collect=collect, columns=main_columns(),
+                      time_limit_s=360.0, smoke="tiny CPU run end to end (interpret mode)",
+                      quick="fewer sizes", sweep=True, arguments=_arguments, stem=_stem)
+
+
+def main(argv=None):
+  return run_benchmark(BENCHMARK, argv)
 
 
 if __name__ == "__main__":

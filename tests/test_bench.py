@@ -366,8 +366,15 @@ def test_runner_runs_a_benchmark_from_its_declaration(tmp_path):
     runner.main(toy, ["--no-such-option"])
 
 
-@pytest.mark.parametrize("script", ["accuracy", "windowed", "paged_prefill"])
+@pytest.mark.parametrize("script", ["accuracy", "prefill", "windowed", "paged_prefill"])
 def test_scripts_on_the_runner_declare_their_benchmark(script):
   module = importlib.import_module(f"bench.{script}")
   assert module.BENCHMARK.name == script and module.BENCHMARK.name in {
       stem for b in suite.SUITE for stem in b.results}
+
+
+def test_prefill_options_choose_its_result_stem():
+  from bench import prefill, runner
+  args = runner.parse(prefill.BENCHMARK, ["--head-dim", "64", "--no-sweep", "--impls", "jaxflash", "cudnn"])
+  assert prefill.BENCHMARK.stem(args) == "prefill_d64" and not args.sweep and args.impls == ["jaxflash", "cudnn"]
+  assert prefill.BENCHMARK.stem(runner.parse(prefill.BENCHMARK, [])) == "prefill"
