@@ -195,6 +195,7 @@ class _Consumer:
       p, m_new, alpha, l_i = softmax.step(mask(s, j) if masked else s, m_i, l_i, masked=masked)
       acc = softmax.rescale(acc, alpha)
       p_tile = p.astype(self.dtype)
+      l_i = softmax.add_row_sums(l_i, p_tile)
       # Keep the softmax before the barrier (the order decides the overlap).
       acc, l_i, m_new, p_tile = lax.optimization_barrier((acc, l_i, m_new, p_tile))
       self.turns.start_turn(ring.v_ready.at[slot])  # the tensor cores are ours again
@@ -231,7 +232,8 @@ class _Consumer:
       turns.start_turn(ring.k_ready.at[slot])
       # acc is still zero: nothing to rescale.
       p, m_i, _, l_i = softmax.step(mask(self.scores(slot), cta_lo), m_i, l_i, masked=True)
-      return acc, m_i, l_i, p.astype(dtype)
+      p_tile = p.astype(dtype)
+      return acc, m_i, softmax.add_row_sums(l_i, p_tile), p_tile
 
     def overlapped_step(j, carry, *, masked: bool):
       acc, m_i, l_i, p_prev = carry  # p_prev [block_q, block_kv]: P of block j - 1
@@ -261,7 +263,8 @@ class _Consumer:
       plgpu.barrier_arrive(ring.v_free.at[prev])
       if rescales:
         acc = softmax.rescale(acc, alpha)
-      return acc, m_new, l_new, p.astype(dtype)
+      p_tile = p.astype(dtype)
+      return acc, m_new, softmax.add_row_sums(l_new, p_tile), p_tile
 
     def last_pv(_, carry):
       acc, m_i, l_i, p = carry

@@ -44,13 +44,14 @@ class OnlineSoftmax:
   def step(self, s, m_i, l_i, *, masked: bool):
     """Scores s [block_q, block_kv] float32 of one key block (masked: -inf where a row does
     not see a key) -> (P float32, the new running max, alpha that rescales what was summed
-    before (None: nothing to rescale), the new running sum; l_i as it is when PV sums P).
-    m is kept in scaled units so p = exp2(s * c - m) is one FMA per score."""
+    before (None: nothing to rescale), the running sum rescaled, to which `add_row_sums`
+    adds this block's). m is kept in scaled units so p = exp2(s * c - m) is one FMA per
+    score."""
     if self.fixed_reference and not masked:
       # m_i stays the reference: no row max, no rescale (an overflow shows in l or acc at
       # the end of the tile, which is then recomputed).
       p = jnp.exp2(s * self.qk_scale - rows_bcast(m_i, s.shape))
-      return p, m_i, None, l_i if self.sums_from_pv else l_i + p.sum(axis=1)
+      return p, m_i, None, l_i
     m_block = s.max(axis=1) * self.qk_scale
     if self.conditional_rescale:
       # A row keeps its running max until the block's is more than RESCALE_THRESHOLD above
@@ -65,7 +66,18 @@ class OnlineSoftmax:
     p = jnp.exp2(s * self.qk_scale - rows_bcast(m_safe, s.shape))
     if self.sums_from_pv:
       return p, m_new, alpha, l_i
-    return p, m_new, alpha, l_i * alpha + p.sum(axis=1)
+    return p, m_new, alpha, l_i * alpha
+
+  def add_row_sums(self, l_i, p_tile):
+    """l_i [block_q] plus the row sums of P as PV multiplies it: p_tile [block_q, block_kv]
+    is P rounded to bf16 / fp16, summed in float32, so that the numerator (P V) and the
+    denominator (l) of each output row weigh every key alike. (Summed before rounding, a
+    dominant key whose probability is just under 1 would count differently in the two,
+    an error the size of bf16's rounding, 2^-9, in the output.) With the sums from PV, the
+    tensor cores add them."""
+    if self.sums_from_pv:
+      return l_i
+    return l_i + p_tile.astype(jnp.float32).sum(axis=1)
 
   def rescale(self, acc, alpha):
     """acc [block_q, H] times alpha [block_q] per row: skipped by the warps whose rows all
