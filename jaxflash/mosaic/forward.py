@@ -53,6 +53,7 @@ from jaxflash.mosaic.config import (DTYPES, ROW_SUM_COLUMNS, MosaicPrefillConfig
                                     mosaic_prefill_config, registers)
 from jaxflash.mosaic.mask import KeyMask, iota
 from jaxflash.mosaic.pipeline import KeyBlocks, KVRing, TileScheduler, TurnOrder
+from jaxflash.mosaic.segments import Segments, block_ranges, check_segment_ids, pad_ids
 from jaxflash.mosaic.softmax import OnlineSoftmax, rows_bcast
 from jaxflash.score_mods import ScoreMods
 
@@ -81,6 +82,9 @@ class _Consumer:
     self.dtype = q_ref.dtype
     self.head_dim = q_ref.shape[-1]
     self.acc_columns = self.head_dim + ROW_SUM_COLUMNS * softmax.sums_from_pv
+    # Blocks before the first whole one are masked only with a window's left edge or
+    # documents; else the whole blocks start at the first.
+    self.masks_leading_blocks = mask.mods.left is not None or mask.segments is not None
 
   def first_row(self, tile):
     """This consumer's first query row in a query tile."""
@@ -138,8 +142,10 @@ class _Consumer:
     l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
     # With the row sums from PV, columns H and up hold the row sums (all equal).
     acc = plgpu.layout_cast(jnp.zeros((block_q, self.acc_columns), jnp.float32), plgpu.Layout.WGMMA)
+    segments = self.mask.segments
+    row_ids = None if segments is None else segments.row_ids(batch, q_base)  # [block_q] int32
     tile_ = dict(slot_of=slot_of, cta_lo=cta_lo, full_lo=full_lo, full_hi=full_hi, hi=hi,
-                 mask=lambda s, j: self.mask.apply(s, j, q_base, shift, kv_valid))
+                 mask=lambda s, j: self.mask.apply(s, j, q_base, shift, kv_valid, batch, row_ids))
     if self.overlap_softmax:
       acc, m_i, l_i = self.overlapped_blocks((acc, m_i, l_i), **tile_)
     else:
@@ -211,9 +217,9 @@ class _Consumer:
       plgpu.barrier_arrive(ring.v_free.at[slot])
       return acc, m_new, l_i
 
-    # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, the diagonal or
-    # the end of the keys and run masked; every row sees all of [full_lo, full_hi).
-    if self.mask.mods.left is not None:
+    # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, a document's, the
+    # diagonal or the end of the keys and run masked; every row sees all of [full_lo, full_hi).
+    if self.masks_leading_blocks:
       carry = lax.fori_loop(cta_lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
@@ -284,7 +290,7 @@ class _Consumer:
     p0 = plgpu.layout_cast(jnp.zeros((self.block_q, self.block_kv), dtype), plgpu.Layout.WGMMA)
     carry = lax.fori_loop(0, has_blocks, first_block, (*carry, p0))
     start = cta_lo + 1  # block cta_lo ran masked in first_block
-    if self.mask.mods.left is not None:
+    if self.masks_leading_blocks:
       carry = lax.fori_loop(start, jnp.maximum(full_lo, start),
                             functools.partial(overlapped_step, masked=True), carry)
     carry = lax.fori_loop(jnp.maximum(full_lo, start), jnp.maximum(full_hi, start),
@@ -296,8 +302,9 @@ class _Consumer:
 
   def store_tile(self, acc, m_i, l_i, batch, head, q_base, q_valid):
     """FlashAttention-2 divides once, here, and stores the output tile and its LSE. Rows that
-    saw no key, and padding rows, give exact zeros (their LSE is set to -inf outside, where
-    the lengths are at hand)."""
+    saw no key (l = 0), and padding rows, give exact zeros (their LSE is set to -inf outside,
+    where the lengths are at hand); rows that saw a NaN score or value (l or acc NaN) give
+    NaN, as jax.nn does."""
     block_q, head_dim, softmax = self.block_q, self.head_dim, self.softmax
     if softmax.sums_from_pv:  # the sums' columns are equal: any one is the row sum
       acc, l_i = acc[:, :head_dim], acc[:, head_dim:].max(axis=1)
@@ -305,7 +312,7 @@ class _Consumer:
       # Probabilities that overflowed leave inf or NaN in l or acc (x * 0 is NaN for
       # those alone): the row's LSE is NaN, and the second pass recomputes its tile.
       overflowed = (l_i * 0.0 + (acc * 0.0).sum(axis=1)) != 0.0
-    attended = l_i > 0.0
+    attended = l_i != 0.0  # (NaN too)
     inv_l = 1.0 / jnp.where(attended, l_i, 1.0)
     shape = (block_q, head_dim)
     keep = (iota(shape, 0) < q_valid - q_base) & rows_bcast(attended, shape)
@@ -337,6 +344,8 @@ def _forward_kernel(
     schedule,  # barrier, one arrival per consumer: the pair's turns (without the overlap)
     *,
     retry_ref=None,  # [B * N * num_q_tiles] int32 GMEM, the second pass only: tiles to redo
+    segment_refs=None,  # packed documents: ([B, T_pad], [B, S_pad], [B, T_pad // block_q, 4])
+                        # int32 GMEM, segment ids of queries and keys and their block ranges
     qk_scale: float,
     mods: ScoreMods,
     block_q: int,
@@ -358,7 +367,9 @@ def _forward_kernel(
   wg = lax.axis_index("wg")
   scheduler = TileScheduler(num_heads, batch_size, num_q_tiles, num_ctas)
   rounds_here = scheduler.rounds_here()
-  blocks = KeyBlocks(q_len_ref, kv_len_ref, mods, block_q, block_kv, seq_q, seq_kv, num_consumers)
+  segments = None if segment_refs is None else Segments(*segment_refs, block_q, block_kv)
+  blocks = KeyBlocks(q_len_ref, kv_len_ref, mods, block_q, block_kv, seq_q, seq_kv, num_consumers,
+                     segments)
   ring = KVRing(k_smem, v_smem, k_ready, v_ready, k_free, v_free, num_stages, tensor_core_row_sums)
 
   def item_blocks(round_):
@@ -380,7 +391,7 @@ def _forward_kernel(
         wg=wg, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, io_smem=io_smem, lse_smem=lse_smem,
         q_ready=q_ready, retry_ref=retry_ref, scheduler=scheduler, blocks=blocks, ring=ring,
         turns=TurnOrder(overlap_softmax, num_consumers, schedule, wg),
-        mask=KeyMask(mods, block_q, block_kv),
+        mask=KeyMask(mods, block_q, block_kv, segments),
         softmax=OnlineSoftmax(qk_scale, conditional_rescale, fixed_reference, tensor_core_row_sums),
         block_q=block_q, block_kv=block_kv, num_consumers=num_consumers,
         overlap_softmax=overlap_softmax)
@@ -412,7 +423,8 @@ def _forward_kernel(
     jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "return_residual", "config",
                               "interpret"))
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
-                      scale=None, is_causal=False, local_window_size=None, return_residual=False,
+                      scale=None, is_causal=False, local_window_size=None, segment_ids=None,
+                      kv_segment_ids=None, return_residual=False,
                       config: MosaicPrefillConfig | None = None, interpret: bool | None = None):
   """FlashAttention-3 style forward pass on sm_90 (Pallas Mosaic GPU).
 
@@ -422,7 +434,11 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   padding (zeros out, LSE -inf), keys s >= kv_len[b] are ignored. Query t sits at key
   position p = t + kv_len_b - q_len_b (bottom-right); `is_causal` keeps keys s <= p and
   `local_window_size` w or (left, right) keeps p - left <= s <= p + right, the key blocks
-  outside never loaded. Returns out [B, T, N, H] in the query's dtype, and with
+  outside never loaded. segment_ids [B, T] and kv_segment_ids [B, S] int (optional;
+  kv_segment_ids defaults to segment_ids when T == S): packed documents, query t sees key s
+  only where their ids are equal, on top of the rest; key blocks whose ids cannot meet a
+  query tile's are never loaded. Rows that see no key give zeros (LSE -inf); rows that see
+  a NaN give NaN, as jax.nn does. Returns out [B, T, N, H] in the query's dtype, and with
   `return_residual` the natural-log LSE [B, T, N] float32 too: the same function as
   `jaxflash.prefill_attention`.
 
@@ -438,18 +454,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   seq_kv, num_kv_heads = key.shape[1], key.shape[2]
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
-  if not _mosaic.AVAILABLE:
-    raise NotImplementedError(f"Pallas Mosaic GPU does not import here: {_mosaic.IMPORT_ERROR}")
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    if jnp.dtype(x.dtype) not in DTYPES:
-      raise TypeError(f"{name} must be bfloat16 or float16 for the Mosaic prefill, got "
-                      f"{jnp.dtype(x.dtype).name} {tuple(x.shape)}")
-  if not query.dtype == key.dtype:
-    raise TypeError(f"query and key must share one dtype for the Mosaic prefill, got "
-                    f"{jnp.dtype(query.dtype).name} and {jnp.dtype(key.dtype).name}")
-  if head_dim % 64 or head_dim > 256:
-    raise ValueError(f"the Mosaic prefill takes head dims that are multiples of 64 up to 256, "
-                     f"got query {tuple(query.shape)}")
+  q_ids, kv_ids = check_segment_ids(segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
+  _check_inputs(query, key, value)
   scale = _checks.default_scale(scale, head_dim)
   mods = ScoreMods.from_options(is_causal=is_causal, local_window_size=local_window_size)
   info = device_info()
@@ -481,6 +487,10 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
   num_q_tiles = seq_q_pad // q_rows
   num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
+  segment_arrays = ()
+  if q_ids is not None:
+    q_ids, kv_ids = pad_ids(q_ids, seq_q_pad), pad_ids(kv_ids, seq_kv_pad)
+    segment_arrays = (q_ids, kv_ids, block_ranges(q_ids, kv_ids, block_q, block_kv))
   if _mosaic.interpret_params(interpret) is not None:
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
 
@@ -514,11 +524,11 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       # Pallas documents its automatic barriers as safe to leave out.
       unsafe_no_auto_barriers=True)
   # The fixed reference needs every row to have seen a key before its first whole block;
-  # with a window's left edge a row may not have, so windows keep the running max.
-  fixed_reference = config.fixed_reference and mods.left is None
+  # with a window's left edge or documents a row may not have, so these keep the running max.
+  fixed_reference = config.fixed_reference and mods.left is None and not segment_arrays
 
   @jax.custom_batching.custom_vmap
-  def run_kernels(q_len, kv_len, q, k, v):
+  def run_kernels(q_len, kv_len, q, k, v, *segment_arrays):
     """The kernel on [B, ...] operands, and with the fixed reference its second pass."""
     batch = q.shape[0]
     num_items = num_heads * batch * num_q_tiles
@@ -536,8 +546,11 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                 jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
     mesh = dict(grid=(num_ctas,), grid_names=("cta",), num_threads=num_consumers + 1,
                 thread_name="wg")
+    if segment_arrays:
+      kernel = _with_segment_refs(kernel)
     out, lse = plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch,
-                            compiler_params=compiler_params, **mesh)(q_len, kv_len, q, k, v)
+                            compiler_params=compiler_params, **mesh)(q_len, kv_len, q, k, v,
+                                                                     *segment_arrays)
     if not fixed_reference:
       return out, lse
     # Second pass: the tiles with a row whose fixed reference overflowed (NaN LSE), and
@@ -571,7 +584,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
     return (unfold(out), unfold(lse)), (True, True)
 
-  out, lse = run_kernels(q_len, kv_len, q, k, v)
+  out, lse = run_kernels(q_len, kv_len, q, k, v, *segment_arrays)
 
   out = out[:, :seq_q]
   if not return_residual:
@@ -580,6 +593,32 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   lse = jnp.where(rows_valid[:, :, None], jnp.swapaxes(lse[:, :, :seq_q], 1, 2), -jnp.inf)
   return out, lse
 
+
+def _check_inputs(query, key, value) -> None:
+  if not _mosaic.AVAILABLE:
+    raise NotImplementedError(f"Pallas Mosaic GPU does not import here: {_mosaic.IMPORT_ERROR}")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if jnp.dtype(x.dtype) not in DTYPES:
+      raise TypeError(f"{name} must be bfloat16 or float16 for the Mosaic prefill, got "
+                      f"{jnp.dtype(x.dtype).name} {tuple(x.shape)}")
+  if not query.dtype == key.dtype:
+    raise TypeError(f"query and key must share one dtype for the Mosaic prefill, got "
+                    f"{jnp.dtype(query.dtype).name} and {jnp.dtype(key.dtype).name}")
+  head_dim = query.shape[-1]
+  if head_dim % 64 or head_dim > 256:
+    raise ValueError(f"the Mosaic prefill takes head dims that are multiples of 64 up to 256, "
+                     f"got query {tuple(query.shape)}")
+
+
+def _with_segment_refs(kernel):
+  """The kernel with the segment ids' three refs among its inputs (after value's)."""
+  def with_segments(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, ranges_ref,
+                    o_ref, lse_ref, *scratch_refs):
+    kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs,
+           segment_refs=(q_ids_ref, kv_ids_ref, ranges_ref))
+
+  with_segments.__name__ = kernel.__name__
+  return with_segments
 
 
 def _round_up(x: int, m: int) -> int:

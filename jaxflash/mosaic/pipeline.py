@@ -19,6 +19,7 @@ from jax import lax
 from jaxflash import _mosaic
 from jaxflash._mosaic import pl, plgpu
 from jaxflash.mosaic.config import WARPGROUP_THREADS
+from jaxflash.mosaic.segments import Segments
 from jaxflash.score_mods import ScoreMods, key_blocks
 
 SCHEDULE_ID = 8  # first hardware named barrier of the turns (Mosaic GPU uses the low IDs)
@@ -78,6 +79,7 @@ class KeyBlocks:
   seq_q: int
   seq_kv: int
   num_consumers: int
+  segments: Segments | None = None  # packed documents: blocks whose ids cannot meet skipped
 
   def of_rows(self, batch, q_base):
     """Key blocks (lo, full_lo, full_hi, hi) of rows [q_base, q_base + block_q) of sequence
@@ -90,7 +92,10 @@ class KeyBlocks:
     shift = kv_len - q_len
     rows_end = jnp.minimum(q_base + self.block_q, q_valid)
     blocks = key_blocks(self.mods, q_base, rows_end - 1, shift, kv_valid, self.block_kv)
-    return [jnp.where(rows_end > q_base, x, 0) for x in blocks], (q_valid, shift, kv_valid)
+    blocks = [jnp.where(rows_end > q_base, x, 0) for x in blocks]
+    if self.segments is not None:
+      blocks = self.segments.bound(batch, q_base, blocks)
+    return blocks, (q_valid, shift, kv_valid)
 
   def of_tile(self, batch, tile):
     """The key blocks [lo, hi) the producer loads for a query tile: the union of the
@@ -100,7 +105,12 @@ class KeyBlocks:
     cta_base = tile * (self.num_consumers * self.block_q)
     blocks = [self.of_rows(batch, cta_base + w * self.block_q if w else cta_base)[0]  # (no "+ 0")
               for w in range(self.num_consumers)]
-    return blocks[0][0], functools.reduce(jnp.maximum, [b[3] for b in blocks])
+    hi = functools.reduce(jnp.maximum, [b[3] for b in blocks])
+    if self.segments is None:
+      return blocks[0][0], hi
+    # With segment ids any consumer's blocks may start first: the earliest start among the
+    # consumers that have blocks (none: an empty range).
+    return functools.reduce(jnp.minimum, [jnp.where(b[3] > b[0], b[0], hi) for b in blocks]), hi
 
 
 @dataclasses.dataclass(frozen=True)
