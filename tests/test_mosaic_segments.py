@@ -6,7 +6,6 @@ argument checks, `supports`, and the kernel's tracing and lowering with segments
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
