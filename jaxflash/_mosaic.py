@@ -48,7 +48,7 @@ except Exception:  # noqa: BLE001 -- interpret mode is optional
 LOG2_E = math.log2(math.e)  # scores times log2(e): softmax in exp2, the GPU's native exponential
 LN_2 = math.log(2.0)  # log2-sum-exp times ln(2): the natural-log LSE the API returns
 # What JAX 0.10.2's Mosaic GPU interpreter lacks for a FlashAttention-3 style kernel, found
-# running jaxflash.mosaic.prefill on the CPU (2026-12-01): each is an error at trace or run time.
+# running the Mosaic prefill (jaxflash.mosaic.forward) on the CPU: each is an error at trace or run time.
 INTERPRET_GAPS = (
     "JAX's Mosaic GPU interpret mode (0.10.2) cannot run the Mosaic prefill: it has no rule for "
     "run_state on a wgmma accumulator (O += P V in place), accumulator refs cannot be stored to, "

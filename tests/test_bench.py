@@ -206,14 +206,14 @@ def test_mosaic_sweep_configs_parse_from_their_names():
   """Every config the Mosaic sweep names is a valid MosaicPrefillConfig, its flags as named."""
   from bench.studies import mosaic_sweep
   from jaxflash.mosaic import MosaicPrefillConfig
-  config = mosaic_sweep.parse_config("64x128x2nposwr")
-  assert config == MosaicPrefillConfig(64, 128, 2, named_schedule=True, persistent=True,
-                                       overlap_softmax=True, separate_output=True,
+  config = mosaic_sweep.parse_config("64x128x2oswr")
+  assert config == MosaicPrefillConfig(64, 128, 2, overlap_softmax=True, separate_output=True,
                                        num_consumers=3, tensor_core_row_sums=True)
-  assert mosaic_sweep.parse_config("64x64x2a") == MosaicPrefillConfig(64, 64, 2, auto_barriers=True)
-  assert mosaic_sweep.parse_config("64x64x2npocf") == MosaicPrefillConfig(
-      64, 64, 2, named_schedule=True, persistent=True, overlap_softmax=True,
-      conditional_rescale=True, fixed_reference=True)
+  assert mosaic_sweep.parse_config("64x64x2") == MosaicPrefillConfig(64, 64, 2)
+  assert mosaic_sweep.parse_config("64x64x2ocf") == MosaicPrefillConfig(
+      64, 64, 2, overlap_softmax=True, conditional_rescale=True, fixed_reference=True)
+  with pytest.raises(ValueError, match="unknown flags"):
+    mosaic_sweep.parse_config("64x64x2a")
   names = list(mosaic_sweep.SWEEP_CONFIGS) + [c for cs in mosaic_sweep.HEAD_DIM_SWEEP.values() for c in cs]
   for name in names:
     assert isinstance(mosaic_sweep.parse_config(name), MosaicPrefillConfig), name

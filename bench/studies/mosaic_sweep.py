@@ -9,8 +9,8 @@ jaxflash's Pallas-Triton prefill and cuDNN (jax.nn.dot_product_attention, "cudnn
   python -m bench.studies.mosaic_sweep                  # sweeps (d = 128 at 8192 and 32768; d = 64
                                                 #   and 256 at 8192), then the table
   python -m bench.studies.mosaic_sweep --no-sweep --sizes 4096 16384
-  python -m bench.studies.mosaic_sweep --configs 64x128x2 64x128x3 64x128x2a   # a: auto_barriers
-                                                # (flags: parse_config)
+  python -m bench.studies.mosaic_sweep --configs 64x128x2 64x128x3 64x128x2os   # o: overlap, s:
+                                                # separate output (flags: parse_config)
 
 Writes mosaic_sweep.json to --out (default $OUT when set, else bench/studies/results) and
 prints a short table last.
@@ -36,26 +36,25 @@ from jaxflash import mosaic
 
 SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SWEEP_SIZES = (8192, 32768)
-SWEEP_CONFIGS = ("64x64x2", "64x64x4", "64x128x2", "64x128x2a", "64x128x2n", "64x128x3", "64x192x2",
-                 "64x256x1", "64x128x2p", "64x128x2np", "64x128x2nps", "64x128x2npo", "64x128x2npos",
-                 "64x128x3npo", "64x192x2npo", "64x128x2nposf")
-# Other head dims, swept at 8192 only (their table rows in jaxflash/mosaic/prefill.py).
-HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2", "64x128x2p", "64x128x2np",
-                       "64x128x2ps", "64x128x2npo", "64x128x2nposw", "64x128x2nposwr", "64x128x4nposw",
-                       "64x128x2nposwrf"),
-                  256: ("64x64x2", "64x64x2p", "64x64x2np", "64x64x2npo", "64x64x2npoc", "64x64x2npocf")}
+SWEEP_CONFIGS = ("64x64x2", "64x64x4", "64x128x2", "64x128x3", "64x192x2", "64x256x1", "64x128x2s",
+                 "64x128x2o", "64x128x2os", "64x128x3o", "64x192x2o", "64x128x2osf")
+# Other head dims, swept at 8192 only (their table rows in jaxflash/mosaic/config.py).
+HEAD_DIM_SWEEP = {64: ("64x64x4", "64x128x2", "64x128x4", "64x256x2", "64x128x2s", "64x128x2o",
+                       "64x128x2osw", "64x128x2oswr", "64x128x4osw", "64x128x2oswrf"),
+                  256: ("64x64x2", "64x64x2o", "64x64x2oc", "64x64x2ocf")}
 
 
 def parse_config(text: str) -> mosaic.MosaicPrefillConfig:
-  """'64x128x3' -> block_q 64, block_kv 128, 3 stages; a trailing 'a' turns Pallas' automatic
-  barriers on (the A/B of `auto_barriers`), a trailing 'n' the named-barrier ping-pong, 'p'
-  the persistent grid, 'o' the intra-warpgroup overlap, 's' a separate output buffer, 'c'
-  conditional rescaling, 'w' three consumer warpgroups, 'r' row sums on the tensor cores, 'f' the
-  fixed softmax reference."""
+  """'64x128x3' -> block_q 64, block_kv 128, 3 stages; trailing flags: 'o' the intra-warpgroup
+  overlap (on the named-barrier ring), 's' a separate output buffer, 'c' conditional
+  rescaling, 'w' three consumer warpgroups, 'r' row sums on the tensor cores, 'f' the fixed
+  softmax reference."""
   flags = text.split("x")[-1].lstrip("0123456789")
-  block_q, block_kv, stages = (int(x.rstrip("anopscwrf")) for x in text.split("x"))
-  return mosaic.MosaicPrefillConfig(block_q, block_kv, stages, auto_barriers="a" in flags,
-                                    named_schedule="n" in flags, persistent="p" in flags,
+  unknown = set(flags) - set("oscwrf")
+  if unknown:
+    raise ValueError(f"unknown flags {sorted(unknown)} in config {text!r} (known: o s c w r f)")
+  block_q, block_kv, stages = (int(x.rstrip("oscwrf")) for x in text.split("x"))
+  return mosaic.MosaicPrefillConfig(block_q, block_kv, stages,
                                     overlap_softmax="o" in flags, separate_output="s" in flags,
                                     conditional_rescale="c" in flags,
                                     num_consumers=3 if "w" in flags else 2,

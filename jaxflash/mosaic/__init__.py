@@ -4,9 +4,14 @@
 whether it can serve a call (None) or why not (a string), for the dispatch in
 `jaxflash.attention`. Importing this package never fails: without Mosaic GPU, `supports`
 gives the import error as its reason.
+
+config.py: the tiles, modes and tuned table; pipeline.py: tile scheduler, K/V ring and the
+consumers' turns; softmax.py: the online softmax; mask.py: which keys a row sees;
+forward.py: the forward kernel.
 """
-from jaxflash.mosaic.prefill import (MosaicPrefillConfig, mosaic_prefill_config, prefill_attention,
-                                     prefill_reference, supports)
+from jaxflash.mosaic.config import MosaicPrefillConfig, mosaic_prefill_config, supports
+from jaxflash.mosaic.forward import prefill_attention
+from jaxflash.prefill import prefill_reference
 
 __all__ = ["prefill_attention", "prefill_reference", "supports", "MosaicPrefillConfig",
            "mosaic_prefill_config"]
