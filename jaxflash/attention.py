@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxflash import _checks, configs, sharding
+from jaxflash import _checks, configs, sharding, vjp
 from jaxflash._triton import use_interpret
 from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods
@@ -22,7 +22,8 @@ IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic", "xla", "cudnn")
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               block_table=None, return_residual=False, implementation=None,
-              causal_alignment="top_left", logits_soft_cap=None, sinks=None):
+              causal_alignment="top_left", logits_soft_cap=None, sinks=None,
+              backward_implementation=None):
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s arguments and values.
 
   Shapes: query [B, T, N, H] (or [T, N, H]); key/value [B, S, K, H] (or [S, K, H]) with
@@ -55,13 +56,16 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   (Pallas-Triton or Mosaic GPU), are differentiated by the FlashAttention-2 backward kernels
   (jaxflash/prefill_backward.py), which give the gradients of query, key, value, bias,
   sinks and a traced scale; paged decode raises NotImplementedError when differentiated,
-  as do second derivatives; jax.jvp raises JAX's custom_vjp error.
+  as do second derivatives; jax.jvp raises JAX's custom_vjp error. backward_implementation
+  (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`): None or "triton" (the Pallas-Triton backward);
+  "mosaic" raises NotImplementedError until the Mosaic GPU backward is built.
 
   Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
   and KV heads K over the same mesh axes); each device runs the kernel on its shard, with
   no collective (jaxflash.sharding). Inside `jax.shard_map` the kernel runs per device.
   """
   implementation = _check_implementation(implementation)
+  vjp.check_backward_implementation(backward_implementation)
   _checks.check_float("query", query)
   mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
@@ -84,7 +88,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
   return _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
                     block_table, sinks, mods=mods, static_scale=static_scale,
-                    return_residual=bool(return_residual), implementation=implementation)
+                    return_residual=bool(return_residual), implementation=implementation,
+                    backward_implementation=backward_implementation)
 
 
 # The prefill kernels `prefill_attention` chooses between (a subset of IMPLEMENTATIONS).
@@ -95,7 +100,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                       bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
                       logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
                       return_residual=False, implementation=None, config=None,
-                      backward_config=None, interpret: bool | None = None):
+                      backward_config=None, backward_implementation=None,
+                      interpret: bool | None = None):
   """The FlashAttention-2 prefill with its forward kernel chosen: the Pallas-Triton kernel
   (`jaxflash.prefill.prefill_attention`: every option, any GPU, interpreted off one) or the
   Pallas Mosaic GPU kernel (`jaxflash.mosaic.prefill_attention`: sm_90). Arguments, values
@@ -107,10 +113,12 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   "mosaic" raises ValueError saying why where it cannot serve the call.
   config: a `PrefillConfig` (Triton tiles) or a `MosaicPrefillConfig`; given with
   implementation=None, its type picks the kernel. backward_config: the backward's.
+  backward_implementation: the backward's kernel, as `jaxflash.attention`'s.
   interpret=True runs the Triton kernel interpreted (the Mosaic kernel is compiled only).
   """
   from jaxflash import prefill as triton_prefill
   from jaxflash.mosaic import MosaicPrefillConfig
+  vjp.check_backward_implementation(backward_implementation)
   if implementation not in PREFILL_IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {PREFILL_IMPLEMENTATIONS}, got {implementation!r}")
   if config is not None and not isinstance(config, (configs.PrefillConfig, MosaicPrefillConfig)):
@@ -141,7 +149,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   if implementation == "triton":
     return triton_prefill.prefill_attention(
         query, key, value, query_seq_lengths, key_value_seq_lengths, config=config,
-        backward_config=backward_config, interpret=interpret, **options)
+        backward_config=backward_config, backward_implementation=backward_implementation,
+        interpret=interpret, **options)
 
   from jaxflash.mosaic import prefill_attention as mosaic_prefill
   batch = query.shape[0]
@@ -152,8 +161,9 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   kernel = functools.partial(mosaic_prefill, scale=_concrete_scale(scale, query.shape[-1]),
                              is_causal=mods.is_causal, local_window_size=mods.window,
                              return_residual=True, config=config, interpret=interpret)
-  out, lse = _differentiable(lambda q, k, v, q_len, kv_len, *_: kernel(q, k, v, q_len, kv_len),
-                             query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale,
+  out, lse = _differentiable(lambda q, k, v, o, _: kernel(q, k, v, o.q_lengths, o.kv_lengths),
+                             query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale),
+                             mods=mods, backward_implementation=backward_implementation,
                              backward_config=backward_config)
   return (out, lse) if return_residual else out
 
@@ -217,10 +227,10 @@ def _concrete_scale(scale, head_dim: int) -> float | None:
 
 
 @functools.partial(jax.jit, static_argnames=("mods", "static_scale", "return_residual",
-                                             "implementation"))
+                                             "implementation", "backward_implementation"))
 def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
                block_table, sinks, *, mods: ScoreMods, static_scale: float | None,
-               return_residual: bool, implementation: str):
+               return_residual: bool, implementation: str, backward_implementation):
   for name, x in (("query", query), ("key", key), ("value", value)):
     _checks.check_float(name, x)
   unbatched = query.ndim == 3
@@ -276,8 +286,9 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     # The Mosaic forward, differentiated by the Triton backward: its out and LSE are the
     # ones `prefill_attention` returns (mosaic_reason let only bottom-right semantics here).
     result = _differentiable(
-        lambda q, k, v, q_len, kv_len, *_: sharding.prefill(kernel, q, k, v, q_len, kv_len),
-        query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale)
+        lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths),
+        query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale), mods=mods,
+        backward_implementation=backward_implementation)
   elif own_kernels and static_scale is not None and _decode_semantics(query, q_lengths, mods):
     # Only the options given reach the decode kernels (each a keyword they take): the
     # arrays as operands, the static ones bound here.
@@ -298,13 +309,14 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       kernel = functools.partial(decode_attention, **static)
       # One query token at its sequence's last position: its gradient is the prefill
       # backward's with T = 1 (the same math).
-      def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
-        del q_len, scale, with_lse
-        arrays = {name: x for name, x in dict(bias=bias, mask=mask, sinks=sinks).items()
+      def forward(q, k, v, o: vjp.Options, with_lse):
+        del with_lse
+        arrays = {name: x for name, x in dict(bias=o.bias, mask=o.mask, sinks=o.sinks).items()
                   if x is not None}
-        return sharding.decode(kernel, q, k, v, kv_len, **arrays)
-      result = _differentiable(forward, query, key, value, None, kv_lengths, mods=mods,
-                               scale=static_scale, **options)
+        return sharding.decode(kernel, q, k, v, o.kv_lengths, **arrays)
+      result = _differentiable(forward, query, key, value,
+                               vjp.Options(None, kv_lengths, scale=static_scale, **options),
+                               mods=mods, backward_implementation=backward_implementation)
   elif own_kernels and paged and _paged_prefill_serves(mods, static_scale, options):
     from jaxflash.paged_prefill import paged_prefill_attention
     kernel = functools.partial(paged_prefill_attention, scale=static_scale,
@@ -324,12 +336,12 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       return prefill_forward(q, k, v, q_len, kv_len, bias=bias, mask=mask, scale=scale, sinks=sinks,
                              mods=mods, return_residual=True, config=config, interpret=None)
 
-    def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
+    def forward(q, k, v, o: vjp.Options, with_lse):
       del with_lse
-      return sharding.prefill(kernel, q, k, v, q_len, kv_len, bias=bias, mask=mask, sinks=sinks,
-                              scale=scale)
-    result = _differentiable(forward, query, key, value, q_lengths, kv_lengths, mods=mods,
-                             scale=scale, **options)
+      return sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths, **o.arrays())
+    result = _differentiable(forward, query, key, value,
+                             vjp.Options(q_lengths, kv_lengths, scale=scale, **options), mods=mods,
+                             backward_implementation=backward_implementation)
   return _finish(result, return_residual, unbatched)
 
 
@@ -377,26 +389,16 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
       local_window_size=mods.window, implementation="cudnn")
 
 
-def _differentiable(forward, query, key, value, q_lengths, kv_lengths, *, mods: ScoreMods, scale,
-                    bias=None, mask=None, sinks=None, backward_config=None):
-  """forward(q, k, v, q_lengths, kv_lengths, bias, mask, sinks, scale, with_lse) -> (out, lse),
-  differentiated by the FlashAttention-2 backward kernels (jaxflash/prefill_backward.py) with
-  the call's options; both sharding-aware. The forward is pluggable: any kernel with the
-  reference's out and LSE for `mods` (the Triton or Mosaic prefill, the decode kernels)."""
-  from jaxflash import prefill_backward
-  head_dim = query.shape[-1]
-  config = prefill_backward.resolve_config(backward_config, head_dim,
-                                           jnp.promote_types(query.dtype, key.dtype))
-  kernel = functools.partial(prefill_backward.backward_kernels, mods=mods, config=config,
-                             interpret=None)
-
-  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
-    return sharding.prefill_backward(kernel, q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
-                                     bias=bias, mask=mask, sinks=sinks, scale=scale)
-
-  return prefill_backward.differentiable(
-      forward, backward, query, key, value, q_lengths, kv_lengths, bias=bias, mask=mask,
-      sinks=sinks, scale=_checks.scale_operand(scale, head_dim), return_residual=True)
+def _differentiable(forward, query, key, value, options, *, mods: ScoreMods, backward_implementation,
+                    backward_config=None):
+  """forward (jaxflash/vjp.py's protocol, returning (out, lse)) differentiated by the backward
+  `vjp._choose_backward` picks for the call's options; both sharding-aware."""
+  backward = vjp._choose_backward(backward_implementation, mods=mods, head_dim=query.shape[-1],
+                                  dtype=jnp.promote_types(query.dtype, key.dtype),
+                                  config=backward_config)
+  options = options._replace(scale=_checks.scale_operand(options.scale, query.shape[-1]))
+  return vjp.with_backward(forward, query, key, value, options, backward=backward,
+                           return_residual=True)
 
 
 def _not_differentiable(fn, path: str):
