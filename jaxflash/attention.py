@@ -3,11 +3,12 @@ and the one registry of attention implementations (`IMPLEMENTATIONS`)."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 
-from jaxflash import _checks, configs, sharding, vjp
+from jaxflash import _checks, configs, segments, sharding, vjp
 from jaxflash._triton import use_interpret
 from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods
@@ -23,7 +24,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               block_table=None, return_residual=False, implementation=None,
               causal_alignment="top_left", logits_soft_cap=None, sinks=None,
-              backward_implementation=None):
+              segment_ids=None, kv_segment_ids=None, backward_implementation=None):
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s arguments and values.
 
   Shapes: query [B, T, N, H] (or [T, N, H]); key/value [B, S, K, H] (or [S, K, H]) with
@@ -41,7 +42,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   p - left <= s <= p + right; mask (bool, True = attend) and bias (added to the scaled
   scores) broadcast to [B, N, T, S]; scale: a float or a traced scalar (H ** -0.5 by
   default). Beyond jax.nn: `logits_soft_cap` (cap * tanh(s / cap) after the bias) and
-  `sinks` [N] (a per-head logit in the softmax's denominator only, as gpt-oss).
+  `sinks` [N] (a per-head logit in the softmax's denominator only, as gpt-oss), and packed
+  documents: `segment_ids` int [B, T] and `kv_segment_ids` int [B, S] (default: segment_ids
+  when T == S), query t seeing key s only where the ids are equal (key blocks whose ids
+  cannot meet are skipped; prefill only: NotImplementedError for paged or one-token decode).
 
   implementation (`jaxflash.IMPLEMENTATIONS`): None (the best kernel for the device: the
   Pallas-Triton kernels, compiled on a GPU, interpreted elsewhere), "triton" ("pallas"),
@@ -72,7 +76,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   if implementation is None or implementation == "mosaic":
     reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths,
                            block_table, bias, mask, sinks, scale=scale, mods=mods,
-                           forced=implementation == "mosaic")
+                           forced=implementation == "mosaic", segment_ids=segment_ids,
+                           kv_segment_ids=kv_segment_ids)
     if implementation == "mosaic" and reason is not None:
       raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
     implementation = "mosaic" if reason is None else "triton"
@@ -87,7 +92,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   if scale is not None:
     scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
   return _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
-                    block_table, sinks, mods=mods, static_scale=static_scale,
+                    block_table, sinks, segment_ids, kv_segment_ids, mods=mods,
+                    static_scale=static_scale,
                     return_residual=bool(return_residual), implementation=implementation,
                     backward_implementation=backward_implementation)
 
@@ -99,6 +105,7 @@ PREFILL_IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic")
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
                       bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
                       logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
+                      segment_ids=None, kv_segment_ids=None,
                       return_residual=False, implementation=None, config=None,
                       backward_config=None, backward_implementation=None,
                       interpret: bool | None = None):
@@ -125,7 +132,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     raise TypeError(f"config must be a PrefillConfig or a MosaicPrefillConfig, got {type(config).__name__}")
   options = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
                  local_window_size=local_window_size, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                 causal_alignment=causal_alignment, return_residual=return_residual)
+                 causal_alignment=causal_alignment, return_residual=return_residual,
+                 segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   implementation = _check_implementation(implementation)
   if implementation is None:
     if isinstance(config, MosaicPrefillConfig):
@@ -142,7 +150,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                                   local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
     # forced: one query token is a prefill here; the decode kernels are jaxflash.attention's.
     reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths, None, bias,
-                           mask, sinks, scale=scale, mods=mods, forced=True)
+                           mask, sinks, scale=scale, mods=mods, forced=True,
+                           segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
     if implementation == "mosaic" and reason is not None:
       raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
     implementation = "mosaic" if reason is None else "triton"
@@ -156,13 +165,21 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   batch = query.shape[0]
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  segment_ids, kv_segment_ids = segments.check_segment_ids(segment_ids, kv_segment_ids, batch,
+                                                           query.shape[1], key.shape[1])
   # mosaic_reason let through only what the kernel computes: bottom-right positions (or
   # top-left ones that equal them), no bias, mask, soft-cap or sinks, a concrete scale.
   kernel = functools.partial(mosaic_prefill, scale=_concrete_scale(scale, query.shape[-1]),
                              is_causal=mods.is_causal, local_window_size=mods.window,
                              return_residual=True, config=config, interpret=interpret)
-  out, lse = _differentiable(lambda q, k, v, o, _: kernel(q, k, v, o.q_lengths, o.kv_lengths),
-                             query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale),
+
+  def forward(q, k, v, o: vjp.Options, with_lse):
+    del with_lse
+    return kernel(q, k, v, o.q_lengths, o.kv_lengths, **_segment_kwargs(o))
+
+  out, lse = _differentiable(forward, query, key, value,
+                             vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
+                                         kv_segment_ids=kv_segment_ids),
                              mods=mods, backward_implementation=backward_implementation,
                              backward_config=backward_config)
   return (out, lse) if return_residual else out
@@ -175,9 +192,22 @@ def _check_implementation(implementation) -> str | None:
   return "triton" if implementation == "pallas" else implementation
 
 
+def _segment_kwargs(options: vjp.Options) -> dict:
+  """The segment ids as the Mosaic prefill's keywords, only where given (so a kernel without
+  them is called as before)."""
+  return {name: x for name, x in (("segment_ids", options.segment_ids),
+                                   ("kv_segment_ids", options.kv_segment_ids)) if x is not None}
+
+
+def _mosaic_takes_segments() -> bool:
+  from jaxflash.mosaic import prefill_attention as mosaic_prefill
+  return "segment_ids" in inspect.signature(mosaic_prefill).parameters
+
+
 def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None,
                   block_table=None, bias=None, mask=None, sinks=None, *, scale=None,
-                  mods: ScoreMods = ScoreMods(), forced: bool = False) -> str | None:
+                  mods: ScoreMods = ScoreMods(), forced: bool = False, segment_ids=None,
+                  kv_segment_ids=None) -> str | None:
   """None when the Mosaic GPU prefill serves this call (what `implementation=None` then
   picks on sm_90), else why not: paged caches, one-token decode (unless `forced`), a traced
   scale, a top-left causal mask that differs from the bottom-right one the kernel computes,
@@ -191,6 +221,9 @@ def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengt
     return "a traced scale (the Mosaic prefill compiles the scale in)"
   if sharding.manual_axes():
     return "inside jax.shard_map the Pallas-Triton kernels run"
+  packed = segment_ids is not None or kv_segment_ids is not None
+  if packed and not _mosaic_takes_segments():
+    return "segment_ids (packed documents) run on the Pallas-Triton kernels: this Mosaic prefill lacks them"
   alignment = mods.causal_alignment
   positional = mods.is_causal or mods.window is not None
   if positional and alignment == "top_left":
@@ -202,9 +235,11 @@ def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengt
     alignment = "bottom_right"
   batched = [jax.ShapeDtypeStruct((1,) * (4 - x.ndim) + tuple(x.shape), x.dtype)
              for x in (query, key, value)]
+  segment_options = ({} if not packed
+                     else dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids))
   return supports(*batched, bias=bias, mask=mask, sinks=sinks, local_window_size=mods.window,
                   logits_soft_cap=mods.logits_soft_cap,
-                  causal_alignment=alignment if positional else "bottom_right")
+                  causal_alignment=alignment if positional else "bottom_right", **segment_options)
 
 
 def _decode_semantics(query, query_seq_lengths, mods: ScoreMods) -> bool:
@@ -229,7 +264,7 @@ def _concrete_scale(scale, head_dim: int) -> float | None:
 @functools.partial(jax.jit, static_argnames=("mods", "static_scale", "return_residual",
                                              "implementation", "backward_implementation"))
 def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
-               block_table, sinks, *, mods: ScoreMods, static_scale: float | None,
+               block_table, sinks, segment_ids, kv_segment_ids, *, mods: ScoreMods, static_scale: float | None,
                return_residual: bool, implementation: str, backward_implementation):
   for name, x in (("query", query), ("key", key), ("value", value)):
     _checks.check_float(name, x)
@@ -241,6 +276,9 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       raise ValueError(f"query is unbatched [T, N, H], so key and value must be [S, K, H]; got key "
                        f"{tuple(key.shape)} and value {tuple(value.shape)}")
     query, key, value = query[None], key[None], value[None]
+    # Unbatched ids are [T] and [S].
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)[None]
+    kv_segment_ids = None if kv_segment_ids is None else jnp.asarray(kv_segment_ids)[None]
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
       raise ValueError("sequence lengths need batched inputs [B, T, N, H]")
   _checks.check_qkv(query, key, value)
@@ -263,6 +301,12 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
   mask = _checks.check_mask(mask, scores_shape)
   sinks = _checks.check_sinks(sinks, num_heads)
   _checks.scale_operand(scale, head_dim)  # shape and dtype errors name `scale` on every path
+  segment_ids, kv_segment_ids = segments.check_segment_ids(segment_ids, kv_segment_ids, batch, t, seq_kv)
+  packed = segment_ids is not None
+  if packed and (paged or (static_scale is not None and _decode_semantics(query, q_lengths, mods)
+                           and implementation == "triton")):
+    what = "paged caches (block_table)" if paged else "one-token decode calls"
+    raise NotImplementedError(f"segment_ids: packed documents are for prefill; {what} do not take them")
   options = dict(bias=bias, mask=mask, sinks=sinks)
   # Interpreted inside jax.shard_map, only the prefill path's stand-in serves (prefill.py says why).
   own_kernels = not (sharding.manual_axes() and use_interpret())
@@ -274,8 +318,11 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
         query, key, value, bias, mask, scale=_checks.default_scale(scale, head_dim),
         is_causal=mods.is_causal, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
         local_window_size=mods.window, logits_soft_cap=mods.logits_soft_cap, sinks=sinks,
-        causal_alignment=mods.causal_alignment)
+        causal_alignment=mods.causal_alignment, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   elif implementation == "cudnn":
+    if packed:  # cuDNN takes the documents as an explicit [B, 1, T, S] mask
+      same = segments.same_segment(segment_ids, kv_segment_ids)[:, None]
+      options["mask"] = same if mask is None else mask & same
     out = _cudnn(query, key, value, q_lengths, kv_lengths, block_table, mods=mods,
                  scale=static_scale, return_residual=return_residual, **options)
     return out[0] if unbatched else out
@@ -286,8 +333,10 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     # The Mosaic forward, differentiated by the Triton backward: its out and LSE are the
     # ones `prefill_attention` returns (mosaic_reason let only bottom-right semantics here).
     result = _differentiable(
-        lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths),
-        query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale), mods=mods,
+        lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths,
+                                               **_segment_kwargs(o)),
+        query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
+                                       kv_segment_ids=kv_segment_ids), mods=mods,
         backward_implementation=backward_implementation)
   elif own_kernels and static_scale is not None and _decode_semantics(query, q_lengths, mods):
     # Only the options given reach the decode kernels (each a keyword they take): the
@@ -332,15 +381,18 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     from jaxflash.prefill import prefill_forward
     config = configs.prefill_config(head_dim, jnp.promote_types(query.dtype, key.dtype))
 
-    def kernel(q, k, v, q_len, kv_len, *, bias=None, mask=None, sinks=None, scale):
+    def kernel(q, k, v, q_len, kv_len, *, bias=None, mask=None, sinks=None, scale, segment_ids=None,
+               kv_segment_ids=None):
       return prefill_forward(q, k, v, q_len, kv_len, bias=bias, mask=mask, scale=scale, sinks=sinks,
-                             mods=mods, return_residual=True, config=config, interpret=None)
+                             segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mods=mods,
+                             return_residual=True, config=config, interpret=None)
 
     def forward(q, k, v, o: vjp.Options, with_lse):
       del with_lse
       return sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths, **o.arrays())
     result = _differentiable(forward, query, key, value,
-                             vjp.Options(q_lengths, kv_lengths, scale=scale, **options), mods=mods,
+                             vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
+                                         kv_segment_ids=kv_segment_ids, **options), mods=mods,
                              backward_implementation=backward_implementation)
   return _finish(result, return_residual, unbatched)
 
