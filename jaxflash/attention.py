@@ -264,8 +264,9 @@ def _concrete_scale(scale, head_dim: int) -> float | None:
 @functools.partial(jax.jit, static_argnames=("mods", "static_scale", "return_residual",
                                              "implementation", "backward_implementation"))
 def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
-               block_table, sinks, segment_ids, kv_segment_ids, *, mods: ScoreMods, static_scale: float | None,
-               return_residual: bool, implementation: str, backward_implementation):
+               block_table, sinks, segment_ids, kv_segment_ids, *, mods: ScoreMods,
+               static_scale: float | None, return_residual: bool, implementation: str,
+               backward_implementation):
   for name, x in (("query", query), ("key", key), ("value", value)):
     _checks.check_float(name, x)
   unbatched = query.ndim == 3

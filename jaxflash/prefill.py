@@ -255,7 +255,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
 
 
 def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, scale, sinks,
-                    segment_ids=None, kv_segment_ids=None, mods: ScoreMods, return_residual: bool, config: PrefillConfig, interpret):
+                    segment_ids=None, kv_segment_ids=None, mods: ScoreMods, return_residual: bool,
+                    config: PrefillConfig, interpret):
   """The kernel launch, on checked arguments (`prefill_attention` checks them).
 
   q_lengths, kv_lengths: int32 [B] or None; bias float / mask bool [Bb, Nb, Tb, Sb] (rank 4,

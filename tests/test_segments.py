@@ -195,7 +195,8 @@ def test_public_attention_takes_segments(rng):
   ids = jnp.asarray(_packed_ids(rng, 2, 40, 12))
   f = lambda impl: (lambda q, k, v: jnp.sum(jnp.sin(jaxflash.attention(
       q, k, v, is_causal=True, segment_ids=ids, implementation=impl))))
-  got, want = jax.value_and_grad(f(None), (0, 1, 2))(q, k, v), jax.value_and_grad(f("xla"), (0, 1, 2))(q, k, v)
+  got = jax.value_and_grad(f(None), (0, 1, 2))(q, k, v)
+  want = jax.value_and_grad(f("xla"), (0, 1, 2))(q, k, v)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for g, w in zip(got[1], want[1]):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=3e-5 * max(1., float(jnp.abs(w).max())))

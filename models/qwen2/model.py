@@ -67,8 +67,8 @@ class Qwen2ForCausalLM(nnx.Module):
     decode step, T > 1 a prompt or a chunk of one (lengths 0 marks a finished row: nothing
     is written for it). segment_ids [B, T] int: packed documents (training rows holding
     several texts; no cache): a token attends only to earlier tokens of its own document,
-    and positions default to restarting at 0 where the id changes. Calls with a cache run the forward-only decode-step kernels when
-    they have at most 16 token rows (models/qwen2/plan.py); differentiate calls without one.
+    and positions default to restarting at 0 where the id changes. Calls with a cache run
+    the forward-only decode-step kernels when they have at most 16 token rows (models/qwen2/plan.py); differentiate calls without one.
 
     attention_impl: `jaxflash.attention`'s `implementation` (one of jaxflash.IMPLEMENTATIONS;
     None: the best kernel). plan: how the call runs (default `StepPlan.build`: for A/B runs).
