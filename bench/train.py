@@ -15,10 +15,14 @@ sm_90 the Mosaic GPU forward with the same Triton backward), cuDNN
 importable, FlashAttention-3 (flash_attn3_jax.flash_mha) and tokamax "mosaic". Also each
 one's peak scratch memory, a whole-model training step (Qwen2.5-0.5B shapes, random bf16
 weights, one sequence of 4K tokens: jaxflash vs cuDNN vs xla attention) and a sweep of the
-backward's BackwardConfig at n = 4096 and 16384.
+backward's BackwardConfig at n = 4096 and 16384. With `--packed`: packed documents, one
+row of 16K tokens holding documents of random lengths (512-4K tokens, then shorter ones),
+jaxflash with `segment_ids` against cuDNN given the same documents as an explicit
+[B, 1, T, S] mask; jaxflash's time falls with the documents' length (key blocks skipped).
 
   python -m bench.train [--quick] [--no-sweep] [--sizes 1x4096,...] [--impls ...]
-                        [--grid full|splits] [--sweep-ns 4096,16384] [--no-model]    # GPU
+                        [--grid full|splits] [--sweep-ns 4096,16384] [--no-model]
+                        [--packed]                                              # GPU
   python -m bench.train --smoke                                # tiny CPU run, interpret mode
 """
 from __future__ import annotations
@@ -212,6 +216,62 @@ def model_rows(preset: str, n: int, budget) -> list[dict]:
   return rows
 
 
+# (shortest, longest) document of each packed row: the issue's 512-4K, then shorter.
+PACKED_DOCS = [(512, 4096), (256, 2048), (128, 1024), (64, 512)]
+PACKED_TOKENS = 16384
+
+
+def packed_ids(n: int, shortest: int, longest: int, seed: int = 0):
+  """[1, n] int32 ids of documents with uniform random lengths in [shortest, longest] packed
+  end to end (the last cut to fit)."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  lengths = []
+  while sum(lengths) < n:
+    lengths.append(int(rng.integers(shortest, longest + 1)))
+  ids = np.repeat(np.arange(len(lengths)), lengths)[:n]
+  return jnp.asarray(ids[None], jnp.int32)
+
+
+def packed_rows(n: int, docs, budget) -> list[dict]:
+  """Causal fwd+bwd over one row of n tokens of packed documents for each (shortest,
+  longest) of `docs`: jaxflash with segment ids, cuDNN with the equivalent explicit mask."""
+  args = make_inputs(1, n)
+  rows, cases = [], {}
+  for shortest, longest in docs:
+    ids = packed_ids(n, shortest, longest)
+    label = f"{shortest}-{longest}"
+    rows.append({"docs": label, "n": n, "num_docs": int(ids.max()) + 1})
+    if budget.exhausted():
+      rows[-1]["error"] = "skipped: time budget"
+      continue
+
+    def jaxflash_packed(q, k, v, ids=ids):
+      import jaxflash
+      return jaxflash.attention(q, k, v, is_causal=True, segment_ids=ids)
+
+    def cudnn_packed(q, k, v, ids=ids):
+      same = ids[:, None, :, None] == ids[:, None, None, :]  # [1, 1, n, n]
+      return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True,
+                                          implementation="cudnn")
+
+    cases[f"jaxflash {label}"] = (forward_backward(jaxflash_packed), args)
+    cases[f"cudnn {label}"] = (forward_backward(cudnn_packed), args)
+  timings = device_times_us(cases, log=log)
+  for row in rows:
+    for impl in ("jaxflash", "cudnn"):
+      t = timings.get(f"{impl} {row['docs']}")
+      if isinstance(t, Timing):
+        row[f"{impl}_us"] = t.us
+      elif isinstance(t, dict):
+        row.setdefault("errors", {})[impl] = t["error"]
+    mine, theirs = row.get("jaxflash_us"), row.get("cudnn_us")
+    row["cudnn_over_jaxflash"] = theirs / mine if mine and theirs else None
+  del args
+  free_memory()
+  return rows
+
+
 # ----------------------------------------------------------------------------- script
 
 # (block_q, block_k, num_warps, num_stages[, dq_block_q, dq_block_k[, q_splits]])
@@ -246,6 +306,8 @@ def parse_args(argv=None):
   p.add_argument("--grid", choices=tuple(GRIDS), default="full",
                  help="BackwardConfig sweep: every config, or the q_splits ones only")
   p.add_argument("--sweep-ns", default="4096,16384", help="comma-separated n of the sweep (B=1)")
+  p.add_argument("--packed", action="store_true",
+                 help="also time packed documents (segment ids) against cuDNN with an explicit mask")
   return p.parse_args(argv)
 
 
@@ -256,6 +318,7 @@ def main(argv=None):
     sizes, impls = [(1, 128), (2, 64)], ("jaxflash", "jaxflash_default", "pallas_mha", "xla")
     sweep_ns, grid = [128], [(16, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2, None, None, 2)]
     model_case, ceiling_args = ("demo", 64), dict(matmul_n=256, hbm_gib=1 / 64)
+    packed_case = (128, [(16, 64), (16, 32)])
   else:
     ns = [4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
     sizes = [(1, n) for n in ns] + [(4, 4096)]
@@ -264,6 +327,7 @@ def main(argv=None):
     impls = tuple(i for i in IMPLS if i in args.impls.split(","))
     sweep_ns, grid = [int(n) for n in args.sweep_ns.split(",")], GRIDS[args.grid]
     model_case, ceiling_args = ("qwen2.5-0.5b", 4096), dict(matmul_n=8192, hbm_gib=4.0)
+    packed_case = (PACKED_TOKENS, PACKED_DOCS)
   meta, out_dir = begin_run("train", args, **ceiling_args)
   ceiling = meta["ceilings"].get("matmul_tflops")
   meta.update(title="Causal attention, forward + backward: TFLOP/s on device time",
@@ -310,6 +374,18 @@ def main(argv=None):
          ("vs_jaxflash", "/ jaxflash", "{:.2f}"), ("temp_mib", "scratch MiB", "{:.0f}"),
          ("error", "error", lambda e: e[:80])], out_dir=out_dir)
 
+  packed = []
+  if args.packed and not budget.exhausted():
+    log(f"[{budget.elapsed():6.1f}s] packed documents: {packed_case[0]} tokens")
+    packed, err = try_call(packed_rows, *packed_case, budget)
+    packed = packed or [{"docs": "all", "error": err}]
+    write_results(
+        "train_packed", packed,
+        {**sub_meta, "title": "Packed documents, causal fwd+bwd: segment ids vs an explicit mask"},
+        [("n", "tokens"), ("docs", "document lengths"), ("num_docs", "documents"),
+         ("jaxflash_us", "jaxflash us", "{:.0f}"), ("cudnn_us", "cuDNN (mask) us", "{:.0f}"),
+         ("cudnn_over_jaxflash", "cuDNN / jaxflash", "{:.2f}")], out_dir=out_dir)
+
   sweep_rows = []
   if args.sweep:
     for n in sweep_ns:
@@ -330,7 +406,8 @@ def main(argv=None):
           "title": "Causal attention fwd+bwd, 12 q heads / 2 kv heads, d=128, bf16",
           "hline": (ceiling, "bf16 matmul ceiling")}
   paths = write_results("train", rows, meta, main_columns(impls), plot=plot, out_dir=out_dir,
-                               notes=notes, extra={"sweep": sweep_rows, "model_step": step_rows})
+                               notes=notes, extra={"sweep": sweep_rows, "model_step": step_rows,
+                                                   "packed": packed})
   log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
   log(markdown_table(rows, [("batch", "B"), ("n", "n")] + [
       (f"{i}_tflops", i) for i in impls] + [("jf_over_cudnn", "jf/cudnn", "{:.2f}"),

@@ -14,6 +14,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from jaxflash import configs
+
 _TRITON_WARNING = r"(?s).*[Tt]riton.*"
 
 
@@ -76,6 +78,48 @@ def exp2(x, *, approx: bool):
   return y
 
 
+APPROX_EXP2 = True  # compiled kernels use ex2.approx (see `exp2`)
+
+
+def block_size(limit: int, length: int) -> int:
+  """`limit`, or less for short sequences: a power of two >= 16 covering `length`."""
+  return min(limit, max(configs.MIN_BLOCK, 1 << (max(length, 1) - 1).bit_length()))
+
+
+def load_tile(ref, layout: tuple[bool, bool], kv_start, block_k: int, row_ok, key_ok):
+  """This step's tile of a bias or mask operand, broadcastable to [block_q, block_k].
+
+  layout: (rows, keys), whether the operand varies along T and S; an axis it is broadcast
+  along was squeezed out of its block (stride 0), so `ref` is [block_q, seq_kv], [block_q],
+  [seq_kv] or []. row_ok [block_q], key_ok [block_k]: loads to make (None: all).
+  """
+  rows, keys = layout
+  other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.
+  if rows and keys:
+    mask = mask2d(row_ok, key_ok, (ref.shape[0], block_k))
+    tile = ref.at[:, pl.ds(kv_start, block_k)]
+    return load(tile) if mask is None else load(tile, mask=mask, other=other)
+  if rows:
+    return (load(ref) if row_ok is None else load(ref, mask=row_ok, other=other))[:, None]
+  if keys:
+    tile = ref.at[pl.ds(kv_start, block_k)]
+    return (load(tile) if key_ok is None else load(tile, mask=key_ok, other=other))[None, :]
+  return ref[...]
+
+
+def operand_spec(x, block_q: int, num_q_blocks: int):
+  """BlockSpec and (rows, keys) layout of a [Bb, Nb, Tb, Sb] bias or mask on a (head, query
+  block, sequence) grid whose query blocks run backwards: an axis of size 1 is squeezed and
+  its block index pinned to 0 (read with stride 0, never expanded)."""
+  bb, nb, tb, sb = x.shape
+  block = (None, None, block_q if tb > 1 else None, sb if sb > 1 else None)
+
+  def index(n, i, b):
+    return (b if bb > 1 else 0, n if nb > 1 else 0, num_q_blocks - 1 - i if tb > 1 else 0, 0)
+
+  return pl.BlockSpec(block, index), (tb > 1, sb > 1)
+
+
 def use_interpret(interpret: bool | None = None) -> bool:
   """`interpret` if given, else True exactly when JAX's default backend is not a GPU."""
   if interpret is not None:
@@ -84,4 +128,5 @@ def use_interpret(interpret: bool | None = None) -> bool:
 
 
 __all__ = ["pl", "plgpu", "dot", "load", "load_masked", "store", "atomic_add", "block_barrier", "exp2",
-           "mask2d", "LOG2_E", "LN_2", "CompilerParams", "quiet", "use_interpret"]
+           "mask2d", "LOG2_E", "LN_2", "CompilerParams", "quiet", "use_interpret", "APPROX_EXP2",
+           "block_size", "load_tile", "operand_spec"]

@@ -3,11 +3,12 @@ and the one registry of attention implementations (`IMPLEMENTATIONS`)."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 
-from jaxflash import _checks, configs, sharding
+from jaxflash import _checks, configs, segments, sharding, vjp
 from jaxflash._triton import use_interpret
 from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods
@@ -22,7 +23,8 @@ IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic", "xla", "cudnn")
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               block_table=None, return_residual=False, implementation=None,
-              causal_alignment="top_left", logits_soft_cap=None, sinks=None):
+              causal_alignment="top_left", logits_soft_cap=None, sinks=None,
+              segment_ids=None, kv_segment_ids=None, backward_implementation=None):
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s arguments and values.
 
   Shapes: query [B, T, N, H] (or [T, N, H]); key/value [B, S, K, H] (or [S, K, H]) with
@@ -40,7 +42,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   p - left <= s <= p + right; mask (bool, True = attend) and bias (added to the scaled
   scores) broadcast to [B, N, T, S]; scale: a float or a traced scalar (H ** -0.5 by
   default). Beyond jax.nn: `logits_soft_cap` (cap * tanh(s / cap) after the bias) and
-  `sinks` [N] (a per-head logit in the softmax's denominator only, as gpt-oss).
+  `sinks` [N] (a per-head logit in the softmax's denominator only, as gpt-oss), and packed
+  documents: `segment_ids` int [B, T] and `kv_segment_ids` int [B, S] (default: segment_ids
+  when T == S), query t seeing key s only where the ids are equal (key blocks whose ids
+  cannot meet are skipped; prefill only: NotImplementedError for paged or one-token decode).
 
   implementation (`jaxflash.IMPLEMENTATIONS`): None (the best kernel for the device: the
   Pallas-Triton kernels, compiled on a GPU, interpreted elsewhere), "triton" ("pallas"),
@@ -61,20 +66,24 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   (Pallas-Triton or Mosaic GPU), are differentiated by the FlashAttention-2 backward kernels
   (jaxflash/prefill_backward.py), which give the gradients of query, key, value, bias,
   sinks and a traced scale; paged decode raises NotImplementedError when differentiated,
-  as do second derivatives; jax.jvp raises JAX's custom_vjp error.
+  as do second derivatives; jax.jvp raises JAX's custom_vjp error. backward_implementation
+  (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`): None or "triton" (the Pallas-Triton backward);
+  "mosaic" raises NotImplementedError until the Mosaic GPU backward is built.
 
   Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
   and KV heads K over the same mesh axes); each device runs the kernel on its shard, with
   no collective (jaxflash.sharding). Inside `jax.shard_map` the kernel runs per device.
   """
   implementation = _check_implementation(implementation)
+  vjp.check_backward_implementation(backward_implementation)
   _checks.check_float("query", query)
   mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   if implementation is None or implementation == "mosaic":
     reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths,
                            block_table, bias, mask, sinks, scale=scale, mods=mods,
-                           forced=implementation == "mosaic")
+                           forced=implementation == "mosaic", segment_ids=segment_ids,
+                           kv_segment_ids=kv_segment_ids)
     if implementation == "mosaic" and reason is not None:
       raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
     implementation = "mosaic" if reason is None else "triton"
@@ -89,8 +98,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   if scale is not None:
     scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
   return _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
-                    block_table, sinks, mods=mods, static_scale=static_scale,
-                    return_residual=bool(return_residual), implementation=implementation)
+                    block_table, sinks, segment_ids, kv_segment_ids, mods=mods,
+                    static_scale=static_scale,
+                    return_residual=bool(return_residual), implementation=implementation,
+                    backward_implementation=backward_implementation)
 
 
 # The prefill kernels `prefill_attention` chooses between (a subset of IMPLEMENTATIONS).
@@ -100,8 +111,10 @@ PREFILL_IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic")
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
                       bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
                       logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
+                      segment_ids=None, kv_segment_ids=None,
                       return_residual=False, implementation=None, config=None,
-                      backward_config=None, interpret: bool | None = None):
+                      backward_config=None, backward_implementation=None,
+                      interpret: bool | None = None):
   """The FlashAttention-2 prefill with its forward kernel chosen: the Pallas-Triton kernel
   (`jaxflash.prefill.prefill_attention`: every option, any GPU, interpreted off one) or the
   Pallas Mosaic GPU kernel (`jaxflash.mosaic.prefill_attention`: sm_90). Arguments, values
@@ -113,17 +126,20 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   "mosaic" raises ValueError saying why where it cannot serve the call.
   config: a `PrefillConfig` (Triton tiles) or a `MosaicPrefillConfig`; given with
   implementation=None, its type picks the kernel. backward_config: the backward's.
+  backward_implementation: the backward's kernel, as `jaxflash.attention`'s.
   interpret=True runs the Triton kernel interpreted (the Mosaic kernel is compiled only).
   """
   from jaxflash import prefill as triton_prefill
   from jaxflash.mosaic import MosaicPrefillConfig
+  vjp.check_backward_implementation(backward_implementation)
   if implementation not in PREFILL_IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {PREFILL_IMPLEMENTATIONS}, got {implementation!r}")
   if config is not None and not isinstance(config, (configs.PrefillConfig, MosaicPrefillConfig)):
     raise TypeError(f"config must be a PrefillConfig or a MosaicPrefillConfig, got {type(config).__name__}")
   options = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
                  local_window_size=local_window_size, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                 causal_alignment=causal_alignment, return_residual=return_residual)
+                 causal_alignment=causal_alignment, return_residual=return_residual,
+                 segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   implementation = _check_implementation(implementation)
   if implementation is None:
     if isinstance(config, MosaicPrefillConfig):
@@ -140,26 +156,37 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                                   local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
     # forced: one query token is a prefill here; the decode kernels are jaxflash.attention's.
     reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths, None, bias,
-                           mask, sinks, scale=scale, mods=mods, forced=True)
+                           mask, sinks, scale=scale, mods=mods, forced=True,
+                           segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
     if implementation == "mosaic" and reason is not None:
       raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
     implementation = "mosaic" if reason is None else "triton"
   if implementation == "triton":
     return triton_prefill.prefill_attention(
         query, key, value, query_seq_lengths, key_value_seq_lengths, config=config,
-        backward_config=backward_config, interpret=interpret, **options)
+        backward_config=backward_config, backward_implementation=backward_implementation,
+        interpret=interpret, **options)
 
   from jaxflash.mosaic import prefill_attention as mosaic_prefill
   batch = query.shape[0]
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  segment_ids, kv_segment_ids = segments.check_segment_ids(segment_ids, kv_segment_ids, batch,
+                                                           query.shape[1], key.shape[1])
   # mosaic_reason let through only what the kernel computes: bottom-right positions (or
   # top-left ones that equal them), no bias, mask, soft-cap or sinks, a concrete scale.
   kernel = functools.partial(mosaic_prefill, scale=_concrete_scale(scale, query.shape[-1]),
                              is_causal=mods.is_causal, local_window_size=mods.window,
                              return_residual=True, config=config, interpret=interpret)
-  out, lse = _differentiable(lambda q, k, v, q_len, kv_len, *_: kernel(q, k, v, q_len, kv_len),
-                             query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale,
+
+  def forward(q, k, v, o: vjp.Options, with_lse):
+    del with_lse
+    return kernel(q, k, v, o.q_lengths, o.kv_lengths, **_segment_kwargs(o))
+
+  out, lse = _differentiable(forward, query, key, value,
+                             vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
+                                         kv_segment_ids=kv_segment_ids),
+                             mods=mods, backward_implementation=backward_implementation,
                              backward_config=backward_config)
   return (out, lse) if return_residual else out
 
@@ -171,9 +198,22 @@ def _check_implementation(implementation) -> str | None:
   return "triton" if implementation == "pallas" else implementation
 
 
+def _segment_kwargs(options: vjp.Options) -> dict:
+  """The segment ids as the Mosaic prefill's keywords, only where given (so a kernel without
+  them is called as before)."""
+  return {name: x for name, x in (("segment_ids", options.segment_ids),
+                                   ("kv_segment_ids", options.kv_segment_ids)) if x is not None}
+
+
+def _mosaic_takes_segments() -> bool:
+  from jaxflash.mosaic import prefill_attention as mosaic_prefill
+  return "segment_ids" in inspect.signature(mosaic_prefill).parameters
+
+
 def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None,
                   block_table=None, bias=None, mask=None, sinks=None, *, scale=None,
-                  mods: ScoreMods = ScoreMods(), forced: bool = False) -> str | None:
+                  mods: ScoreMods = ScoreMods(), forced: bool = False, segment_ids=None,
+                  kv_segment_ids=None) -> str | None:
   """None when the Mosaic GPU prefill serves this call (what `implementation=None` then
   picks on sm_90), else why not: paged caches, one-token decode (unless `forced`), a traced
   scale, a top-left causal mask that differs from the bottom-right one the kernel computes,
@@ -187,6 +227,9 @@ def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengt
     return "a traced scale (the Mosaic prefill compiles the scale in)"
   if sharding.manual_axes():
     return "inside jax.shard_map the Pallas-Triton kernels run"
+  packed = segment_ids is not None or kv_segment_ids is not None
+  if packed and not _mosaic_takes_segments():
+    return "segment_ids (packed documents) run on the Pallas-Triton kernels: this Mosaic prefill lacks them"
   alignment = mods.causal_alignment
   positional = mods.is_causal or mods.window is not None
   if positional and alignment == "top_left":
@@ -198,9 +241,11 @@ def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengt
     alignment = "bottom_right"
   batched = [jax.ShapeDtypeStruct((1,) * (4 - x.ndim) + tuple(x.shape), x.dtype)
              for x in (query, key, value)]
+  segment_options = ({} if not packed
+                     else dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids))
   return supports(*batched, bias=bias, mask=mask, sinks=sinks, local_window_size=mods.window,
                   logits_soft_cap=mods.logits_soft_cap,
-                  causal_alignment=alignment if positional else "bottom_right")
+                  causal_alignment=alignment if positional else "bottom_right", **segment_options)
 
 
 def _decode_semantics(query, query_seq_lengths, mods: ScoreMods) -> bool:
@@ -223,10 +268,11 @@ def _concrete_scale(scale, head_dim: int) -> float | None:
 
 
 @functools.partial(jax.jit, static_argnames=("mods", "static_scale", "return_residual",
-                                             "implementation"))
+                                             "implementation", "backward_implementation"))
 def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
-               block_table, sinks, *, mods: ScoreMods, static_scale: float | None,
-               return_residual: bool, implementation: str):
+               block_table, sinks, segment_ids, kv_segment_ids, *, mods: ScoreMods,
+               static_scale: float | None, return_residual: bool, implementation: str,
+               backward_implementation):
   for name, x in (("query", query), ("key", key), ("value", value)):
     _checks.check_float(name, x)
   unbatched = query.ndim == 3
@@ -237,6 +283,9 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       raise ValueError(f"query is unbatched [T, N, H], so key and value must be [S, K, H]; got key "
                        f"{tuple(key.shape)} and value {tuple(value.shape)}")
     query, key, value = query[None], key[None], value[None]
+    # Unbatched ids are [T] and [S].
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)[None]
+    kv_segment_ids = None if kv_segment_ids is None else jnp.asarray(kv_segment_ids)[None]
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
       raise ValueError("sequence lengths need batched inputs [B, T, N, H]")
   _checks.check_qkv(query, key, value)
@@ -259,6 +308,12 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
   mask = _checks.check_mask(mask, scores_shape)
   sinks = _checks.check_sinks(sinks, num_heads)
   _checks.scale_operand(scale, head_dim)  # shape and dtype errors name `scale` on every path
+  segment_ids, kv_segment_ids = segments.check_segment_ids(segment_ids, kv_segment_ids, batch, t, seq_kv)
+  packed = segment_ids is not None
+  if packed and (paged or (static_scale is not None and _decode_semantics(query, q_lengths, mods)
+                           and implementation == "triton")):
+    what = "paged caches (block_table)" if paged else "one-token decode calls"
+    raise NotImplementedError(f"segment_ids: packed documents are for prefill; {what} do not take them")
   options = dict(bias=bias, mask=mask, sinks=sinks)
   # Interpreted inside jax.shard_map, only the prefill path's stand-in serves (prefill.py says why).
   own_kernels = not (sharding.manual_axes() and use_interpret())
@@ -270,8 +325,11 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
         query, key, value, bias, mask, scale=_checks.default_scale(scale, head_dim),
         is_causal=mods.is_causal, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
         local_window_size=mods.window, logits_soft_cap=mods.logits_soft_cap, sinks=sinks,
-        causal_alignment=mods.causal_alignment)
+        causal_alignment=mods.causal_alignment, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   elif implementation == "cudnn":
+    if packed:  # cuDNN takes the documents as an explicit [B, 1, T, S] mask
+      same = segments.same_segment(segment_ids, kv_segment_ids)[:, None]
+      options["mask"] = same if mask is None else mask & same
     out = _cudnn(query, key, value, q_lengths, kv_lengths, block_table, mods=mods,
                  scale=static_scale, return_residual=return_residual, **options)
     return out[0] if unbatched else out
@@ -282,8 +340,11 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     # The Mosaic forward, differentiated by the Triton backward: its out and LSE are the
     # ones `prefill_attention` returns (mosaic_reason let only bottom-right semantics here).
     result = _differentiable(
-        lambda q, k, v, q_len, kv_len, *_: sharding.prefill(kernel, q, k, v, q_len, kv_len),
-        query, key, value, q_lengths, kv_lengths, mods=mods, scale=scale)
+        lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths,
+                                               **_segment_kwargs(o)),
+        query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
+                                       kv_segment_ids=kv_segment_ids), mods=mods,
+        backward_implementation=backward_implementation)
   elif own_kernels and static_scale is not None and _decode_semantics(query, q_lengths, mods):
     # Only the options given reach the decode kernels (each a keyword they take): the
     # arrays as operands, the static ones bound here.
@@ -304,13 +365,14 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       kernel = functools.partial(decode_attention, **static)
       # One query token at its sequence's last position: its gradient is the prefill
       # backward's with T = 1 (the same math).
-      def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
-        del q_len, scale, with_lse
-        arrays = {name: x for name, x in dict(bias=bias, mask=mask, sinks=sinks).items()
+      def forward(q, k, v, o: vjp.Options, with_lse):
+        del with_lse
+        arrays = {name: x for name, x in dict(bias=o.bias, mask=o.mask, sinks=o.sinks).items()
                   if x is not None}
-        return sharding.decode(kernel, q, k, v, kv_len, **arrays)
-      result = _differentiable(forward, query, key, value, None, kv_lengths, mods=mods,
-                               scale=static_scale, **options)
+        return sharding.decode(kernel, q, k, v, o.kv_lengths, **arrays)
+      result = _differentiable(forward, query, key, value,
+                               vjp.Options(None, kv_lengths, scale=static_scale, **options),
+                               mods=mods, backward_implementation=backward_implementation)
   elif own_kernels and paged and _paged_prefill_serves(mods, static_scale, options):
     from jaxflash.paged_prefill import paged_prefill_attention
     kernel = functools.partial(paged_prefill_attention, scale=static_scale,
@@ -326,16 +388,19 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     from jaxflash.prefill import prefill_forward
     config = configs.prefill_config(head_dim, jnp.promote_types(query.dtype, key.dtype))
 
-    def kernel(q, k, v, q_len, kv_len, *, bias=None, mask=None, sinks=None, scale):
+    def kernel(q, k, v, q_len, kv_len, *, bias=None, mask=None, sinks=None, scale, segment_ids=None,
+               kv_segment_ids=None):
       return prefill_forward(q, k, v, q_len, kv_len, bias=bias, mask=mask, scale=scale, sinks=sinks,
-                             mods=mods, return_residual=True, config=config, interpret=None)
+                             segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mods=mods,
+                             return_residual=True, config=config, interpret=None)
 
-    def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
+    def forward(q, k, v, o: vjp.Options, with_lse):
       del with_lse
-      return sharding.prefill(kernel, q, k, v, q_len, kv_len, bias=bias, mask=mask, sinks=sinks,
-                              scale=scale)
-    result = _differentiable(forward, query, key, value, q_lengths, kv_lengths, mods=mods,
-                             scale=scale, **options)
+      return sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths, **o.arrays())
+    result = _differentiable(forward, query, key, value,
+                             vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
+                                         kv_segment_ids=kv_segment_ids, **options), mods=mods,
+                             backward_implementation=backward_implementation)
   return _finish(result, return_residual, unbatched)
 
 
@@ -383,26 +448,16 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
       local_window_size=mods.window, implementation="cudnn")
 
 
-def _differentiable(forward, query, key, value, q_lengths, kv_lengths, *, mods: ScoreMods, scale,
-                    bias=None, mask=None, sinks=None, backward_config=None):
-  """forward(q, k, v, q_lengths, kv_lengths, bias, mask, sinks, scale, with_lse) -> (out, lse),
-  differentiated by the FlashAttention-2 backward kernels (jaxflash/prefill_backward.py) with
-  the call's options; both sharding-aware. The forward is pluggable: any kernel with the
-  reference's out and LSE for `mods` (the Triton or Mosaic prefill, the decode kernels)."""
-  from jaxflash import prefill_backward
-  head_dim = query.shape[-1]
-  config = prefill_backward.resolve_config(backward_config, head_dim,
-                                           jnp.promote_types(query.dtype, key.dtype))
-  kernel = functools.partial(prefill_backward.backward_kernels, mods=mods, config=config,
-                             interpret=None)
-
-  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
-    return sharding.prefill_backward(kernel, q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
-                                     bias=bias, mask=mask, sinks=sinks, scale=scale)
-
-  return prefill_backward.differentiable(
-      forward, backward, query, key, value, q_lengths, kv_lengths, bias=bias, mask=mask,
-      sinks=sinks, scale=_checks.scale_operand(scale, head_dim), return_residual=True)
+def _differentiable(forward, query, key, value, options, *, mods: ScoreMods, backward_implementation,
+                    backward_config=None):
+  """forward (jaxflash/vjp.py's protocol, returning (out, lse)) differentiated by the backward
+  `vjp._choose_backward` picks for the call's options; both sharding-aware."""
+  backward = vjp._choose_backward(backward_implementation, mods=mods, head_dim=query.shape[-1],
+                                  dtype=jnp.promote_types(query.dtype, key.dtype),
+                                  config=backward_config)
+  options = options._replace(scale=_checks.scale_operand(options.scale, query.shape[-1]))
+  return vjp.with_backward(forward, query, key, value, options, backward=backward,
+                           return_residual=True)
 
 
 def _not_differentiable(fn, path: str):

@@ -24,12 +24,12 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxflash import _checks, configs
-from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load_masked, mask2d, pl, quiet,
-                              store, use_interpret)
+from jaxflash._triton import (APPROX_EXP2, LN_2, LOG2_E, CompilerParams, block_size, dot, exp2,
+                              load_masked, mask2d, pl, quiet, store, use_interpret)
 from jaxflash._util import dot_precision
 from jaxflash.configs import PrefillConfig
 from jaxflash.paged import _paged_tile
-from jaxflash.prefill import APPROX_EXP2, _block_size, resolve_config
+from jaxflash.prefill import resolve_config
 from jaxflash.reference import attention_reference, gather_pages
 from jaxflash.sharding import result_struct
 
@@ -195,8 +195,8 @@ def paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
     lse = jnp.full(query.shape[:3], -jnp.inf, jnp.float32)
     return (out, lse) if return_residual else out
 
-  block_q = _block_size(config.block_q, seq_q)
-  block_k = _block_size(config.block_k, capacity)
+  block_q = block_size(config.block_q, seq_q)
+  block_k = block_size(config.block_k, capacity)
   head_dim_padded = configs.padded_head_dim(head_dim)
   num_q_blocks = pl.cdiv(seq_q, block_q)
   num_warps = config.num_warps if block_q == config.block_q else min(config.num_warps, 4)

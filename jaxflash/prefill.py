@@ -28,38 +28,14 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxflash import _checks, configs, score_mods
-from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load, load_masked, mask2d, pl,
-                              quiet, store, use_interpret)
+from jaxflash import _checks, configs, score_mods, segments, vjp
+from jaxflash._triton import (APPROX_EXP2, LN_2, LOG2_E, CompilerParams, block_size, dot, exp2, load_masked,
+                              load_tile, mask2d, operand_spec, pl, quiet, store, use_interpret)
 from jaxflash._util import dot_precision
 from jaxflash.configs import PrefillConfig
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import ScoreMods, key_blocks, window_size
 from jaxflash.sharding import manual_axes, result_struct
-
-APPROX_EXP2 = True  # compiled kernels use ex2.approx (see jaxflash._triton.exp2)
-
-
-def _load_tile(ref, layout: tuple[bool, bool], kv_start, block_k: int, row_ok, key_ok):
-  """This step's tile of a bias or mask operand, broadcastable to [block_q, block_k].
-
-  layout: (rows, keys), whether the operand varies along T and S; an axis it is broadcast
-  along was squeezed out of its block (stride 0), so `ref` is [block_q, seq_kv], [block_q],
-  [seq_kv] or []. row_ok [block_q], key_ok [block_k]: loads to make (None: all).
-  """
-  rows, keys = layout
-  other = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.
-  if rows and keys:
-    mask = mask2d(row_ok, key_ok, (ref.shape[0], block_k))
-    tile = ref.at[:, pl.ds(kv_start, block_k)]
-    return load(tile) if mask is None else load(tile, mask=mask, other=other)
-  if rows:
-    return (load(ref) if row_ok is None else load(ref, mask=row_ok, other=other))[:, None]
-  if keys:
-    tile = ref.at[pl.ds(kv_start, block_k)]
-    return (load(tile) if key_ok is None else load(tile, mask=key_ok, other=other))[None, :]
-  return ref[...]
-
 
 def _prefill_kernel(
     q_lengths_ref,  # [] int32: this sequence's query count (None: all T rows are queries)
@@ -68,6 +44,9 @@ def _prefill_kernel(
     sinks_ref,  # [] float32: this query head's sink logit, natural units (None: no sink)
     bias_ref,  # [block_q, seq_kv] of bias[b, n] or, along broadcast axes, less (None: no bias)
     mask_ref,  # the same for the mask, int8, nonzero = attend (None: no mask)
+    q_segment_ref,  # [block_q] int32: these rows' document ids (None: no segments)
+    kv_segment_ref,  # [seq_kv] int32: every key's document id
+    span_ref,  # [2] int32: the key blocks whose ids may meet these rows' (segments.block_spans)
     q_ref,  # [block_q, head_dim_padded]: rows of query head n of sequence b
     k_ref,  # [seq_kv, head_dim_padded]: all keys of KV head n // group of sequence b
     v_ref,  # [seq_kv, head_dim_padded]
@@ -120,6 +99,12 @@ def _prefill_kernel(
   rows_end = jnp.minimum(q_start + block_q, q_valid)
   bounds = key_blocks(mods, q_start, rows_end - 1, shift, kv_valid, block_k)
   lo, full_lo, full_hi, hi = (jnp.where(rows_end > q_start, x, 0) for x in bounds)  # no row: no work
+  q_ids = None
+  if q_segment_ref is not None:
+    # Packed documents: the key blocks outside the rows' id span are left out of the loops;
+    # inside it, every tile (whole or edge) is masked by id equality.
+    lo, full_lo, full_hi, hi = segments.clamp_bounds((lo, full_lo, full_hi, hi), span_ref)
+    q_ids = load_tile(q_segment_ref, (True, False), 0, block_k, in_rows, None)  # [block_q, 1]
 
   def attend(j, carry, *, edge: bool):
     acc, m_i, l_i = carry  # [block_q, head_dim_padded], [block_q], [block_q] float32
@@ -135,12 +120,15 @@ def _prefill_kernel(
     # scaling the float32 scores, not a bf16 Q, keeps the error down.
     bias = None
     if bias_ref is not None:
-      bias = _load_tile(bias_ref, bias_layout, kv_start, block_k, in_rows, key_ok).astype(jnp.float32)
+      bias = load_tile(bias_ref, bias_layout, kv_start, block_k, in_rows, key_ok).astype(jnp.float32)
     s = score_mods.scores(mods, qk, qk_scale, bias)  # [block_q, block_k]
     ok = score_mods.visible(mods, rows, keys, shift, kv_valid) if edge else None
     if mask_ref is not None:
-      allowed = _load_tile(mask_ref, mask_layout, kv_start, block_k, in_rows, key_ok) != 0
+      allowed = load_tile(mask_ref, mask_layout, kv_start, block_k, in_rows, key_ok) != 0
       ok = allowed if ok is None else ok & allowed
+    if q_ids is not None:
+      same = q_ids == load_tile(kv_segment_ref, (False, True), kv_start, block_k, None, key_ok)
+      ok = same if ok is None else ok & same
     if ok is not None:
       s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # running max
@@ -195,19 +183,17 @@ def resolve_config(config, head_dim: int, dtype) -> PrefillConfig:
   return configs.resolve(config, PrefillConfig, configs.prefill_config, head_dim, dtype)
 
 
-def _block_size(limit: int, length: int) -> int:
-  """`limit`, or less for short sequences: a power of two >= 16 covering `length`."""
-  return min(limit, max(configs.MIN_BLOCK, 1 << (max(length, 1) - 1).bit_length()))
-
-
 @functools.partial(
     jax.jit, static_argnames=("is_causal", "local_window_size", "logits_soft_cap", "causal_alignment",
-                              "return_residual", "config", "backward_config", "interpret"))
+                              "return_residual", "config", "backward_config", "backward_implementation",
+                              "interpret"))
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
                       bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
                       logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
+                      segment_ids=None, kv_segment_ids=None,
                       return_residual=False, config: PrefillConfig | None = None,
-                      backward_config=None, interpret: bool | None = None):
+                      backward_config=None, backward_implementation=None,
+                      interpret: bool | None = None):
   """FlashAttention-2 forward pass.
 
   query [B, T, N, H]; key, value [B, S, K, H] with N a multiple of K (query head n reads
@@ -222,7 +208,10 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   scale: a float or a traced scalar (default H ** -0.5); local_window_size: w or
   (left, right), keys p - left <= s <= p + right, the blocks outside never loaded;
   logits_soft_cap: cap * tanh(s / cap) after the bias; sinks [N]: per-head logits in the
-  softmax's denominator. Returns out [B, T, N, H] in the query's dtype, and with
+  softmax's denominator; segment_ids int [B, T] and kv_segment_ids int [B, S] (packed
+  documents; kv_segment_ids defaults to segment_ids when T == S): query t sees key s only
+  where the ids are equal, read tile by tile, with key blocks whose id range cannot meet
+  the rows' never loaded (jaxflash/segments.py). Returns out [B, T, N, H] in the query's dtype, and with
   `return_residual` also the natural-log LSE [B, T, N] float32 (including the sink).
 
   Differentiable (jax.grad, jax.vjp, under jit, vmap, checkpoint and scan): the
@@ -232,6 +221,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
 
   config: tiles, warps and stages (default: `jaxflash.prefill_config(H, dtype)`).
   backward_config: the backward's (default: `jaxflash.backward_config(H, dtype)`).
+  backward_implementation: the backward's kernel (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`;
+  None: the Pallas-Triton one).
   interpret: run the kernel in Pallas interpret mode (default: when there is no GPU).
   """
   _checks.check_qkv(query, key, value)
@@ -244,46 +235,34 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   bias = _checks.check_bias(bias, scores_shape)
   mask = _checks.check_mask(mask, scores_shape)
   sinks = _checks.check_sinks(sinks, num_heads)
+  segment_ids, kv_segment_ids = segments.check_segment_ids(segment_ids, kv_segment_ids, batch, seq_q,
+                                                           seq_kv)
   mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   scale = _checks.scale_operand(scale, head_dim)
   tile_dtype = jnp.promote_types(query.dtype, key.dtype)
   config = resolve_config(config, head_dim, tile_dtype)
-  from jaxflash import prefill_backward  # it imports this module's helpers
-  backward_config = prefill_backward.resolve_config(backward_config, head_dim, tile_dtype)
+  backward = vjp._choose_backward(backward_implementation, mods=mods, head_dim=head_dim,
+                                  dtype=tile_dtype, config=backward_config, interpret=interpret)
 
-  def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
-    return prefill_forward(q, k, v, q_len, kv_len, bias=bias, mask=mask, scale=scale, sinks=sinks,
+  def forward(q, k, v, options: vjp.Options, with_lse):
+    return prefill_forward(q, k, v, options.q_lengths, options.kv_lengths, **options.arrays(),
                            mods=mods, return_residual=with_lse, config=config, interpret=interpret)
 
-  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
-    return prefill_backward.backward_kernels(q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
-                                             bias=bias, mask=mask, sinks=sinks, scale=scale,
-                                             mods=mods, config=backward_config, interpret=interpret)
-
-  return prefill_backward.differentiable(forward, backward, query, key, value, q_lengths, kv_lengths,
-                                         bias=bias, mask=mask, sinks=sinks, scale=scale,
-                                         return_residual=return_residual)
-
-
-def _operand_spec(x, block_q: int, num_q_blocks: int):
-  """BlockSpec and (rows, keys) layout of a [Bb, Nb, Tb, Sb] bias or mask: an axis of size 1
-  is squeezed and its block index pinned to 0 (read with stride 0, never expanded)."""
-  bb, nb, tb, sb = x.shape
-  block = (None, None, block_q if tb > 1 else None, sb if sb > 1 else None)
-
-  def index(n, i, b):
-    return (b if bb > 1 else 0, n if nb > 1 else 0, num_q_blocks - 1 - i if tb > 1 else 0, 0)
-
-  return pl.BlockSpec(block, index), (tb > 1, sb > 1)
+  options = vjp.Options(q_lengths, kv_lengths, bias=bias, mask=mask, sinks=sinks, scale=scale,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  return vjp.with_backward(forward, query, key, value, options, backward=backward,
+                           return_residual=return_residual)
 
 
 def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, scale, sinks,
-                    mods: ScoreMods, return_residual: bool, config: PrefillConfig, interpret):
+                    segment_ids=None, kv_segment_ids=None, mods: ScoreMods, return_residual: bool,
+                    config: PrefillConfig, interpret):
   """The kernel launch, on checked arguments (`prefill_attention` checks them).
 
   q_lengths, kv_lengths: int32 [B] or None; bias float / mask bool [Bb, Nb, Tb, Sb] (rank 4,
-  each axis 1 or full) or None; scale: float32 []; sinks: float32 [N] or None.
+  each axis 1 or full) or None; scale: float32 []; sinks: float32 [N] or None;
+  segment_ids int32 [B, T] and kv_segment_ids int32 [B, S], both or neither.
   Returns (out, lse) with `return_residual`, else out.
   """
   batch, seq_q, num_heads, head_dim = query.shape
@@ -306,11 +285,12 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
     out, lse = attention_reference(
         query, key, value, bias, mask, scale=scale, is_causal=mods.is_causal,
         query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, local_window_size=mods.window,
-        logits_soft_cap=mods.logits_soft_cap, sinks=sinks, causal_alignment=mods.causal_alignment)
+        logits_soft_cap=mods.logits_soft_cap, sinks=sinks, causal_alignment=mods.causal_alignment,
+        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
     return (out, lse) if return_residual else out
 
-  block_q = _block_size(config.block_q, seq_q)
-  block_k = _block_size(config.block_k, seq_kv)
+  block_q = block_size(config.block_q, seq_q)
+  block_k = block_size(config.block_k, seq_kv)
   head_dim_padded = configs.padded_head_dim(head_dim)
   num_q_blocks = pl.cdiv(seq_q, block_q)
   # A query tile shrunk for a short sequence has too few rows to share among 8 warps.
@@ -330,10 +310,13 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
 
   # Optional operands (None) get no BlockSpec and reach the kernel as None refs.
   length_spec = pl.BlockSpec((None,), lambda n, i, b: (b,))
-  bias_spec, bias_layout = (None, None) if bias is None else _operand_spec(bias, block_q, num_q_blocks)
-  mask_spec, mask_layout = (None, None) if mask is None else _operand_spec(mask, block_q, num_q_blocks)
+  bias_spec, bias_layout = (None, None) if bias is None else operand_spec(bias, block_q, num_q_blocks)
+  mask_spec, mask_layout = (None, None) if mask is None else operand_spec(mask, block_q, num_q_blocks)
   if mask is not None:
     mask = mask.astype(jnp.int8)  # a byte a flag, as bool; Triton loads bytes, not i1
+  spans = None
+  if segment_ids is not None:
+    spans = segments.block_spans(segment_ids, kv_segment_ids, block_q, block_k)  # [B, nq, 2]
   operands = dict(
       q_lengths=(q_lengths, length_spec),
       kv_lengths=(kv_lengths, length_spec),
@@ -341,6 +324,9 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
       sinks=(sinks, pl.BlockSpec((None,), lambda n, i, b: (n,))),
       bias=(bias, bias_spec),
       mask=(mask, mask_spec),
+      segment_ids=(segment_ids, pl.BlockSpec((None, block_q), lambda n, i, b: (b, num_q_blocks - 1 - i))),
+      kv_segment_ids=(kv_segment_ids, pl.BlockSpec((None, seq_kv), lambda n, i, b: (b, 0))),
+      segment_spans=(spans, pl.BlockSpec((None, None, 2), lambda n, i, b: (b, num_q_blocks - 1 - i, 0))),
       query=(query, pl.BlockSpec((None, block_q, None, head_dim_padded), q_block_index)),
       key=(key, pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index)),
       value=(value, pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index)),
@@ -401,11 +387,14 @@ def count_key_blocks(mods: ScoreMods, seq_q: int, seq_kv: int, block_q: int, blo
 def prefill_reference(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
                       bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
                       logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
-                      return_residual=False):
+                      segment_ids=None, kv_segment_ids=None, return_residual=False):
   """Plain-JAX attention with `prefill_attention`'s semantics (materialises [B, N, T, S])."""
+  segment_ids, kv_segment_ids = segments.check_segment_ids(
+      segment_ids, kv_segment_ids, query.shape[0], query.shape[1], key.shape[1])
   out, lse = attention_reference(
       query, key, value, bias, mask, scale=_checks.default_scale(scale, query.shape[-1]),
       is_causal=is_causal, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=window_size(local_window_size),
-      logits_soft_cap=logits_soft_cap, sinks=sinks, causal_alignment=causal_alignment)
+      logits_soft_cap=logits_soft_cap, sinks=sinks, causal_alignment=causal_alignment,
+      segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   return (out, lse) if return_residual else out

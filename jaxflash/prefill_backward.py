@@ -1,5 +1,5 @@
-"""FlashAttention-2 backward pass: the kernels, their wrapper, the custom VJP and the plain
-reference.
+"""FlashAttention-2 backward pass: the kernels, their wrapper and the plain reference (the
+custom VJP that runs them is jaxflash/vjp.py).
 
 The structure is Algorithm 2 of FlashAttention-2: Faster Attention with Better Parallelism
 and Work Partitioning (Dao, 2023), split into two kernels so that nothing is accumulated
@@ -31,31 +31,29 @@ kernel only the key blocks its rows see (`score_mods.key_blocks`); only the bloc
 edge are masked. Rows and sequences with nothing to attend (LSE -inf) get an LSE of +inf
 here, so their P is exactly 0 and their gradients are zeros, never NaN.
 
-The gradients of the array options come out of the same quantities, in XLA: the bias's is
-dS' summed over the bias's broadcast axes; a sink's is -sum_rows P_sink * delta with
-P_sink = exp(sink - LSE) (the sink only moves the denominator); the scale's is
-sum(dQ * Q) / scale (dQ = scale dS' K, so sum(dQ * Q) = scale * sum(dS' * QK^T)).
+The gradients of the array options come out of the same quantities, in XLA
+(jaxflash/option_grads.py).
 
 Layout everywhere: query [B, T, N, H], key/value [B, S, K, H], N a multiple of K.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxflash import _checks, configs, score_mods
-from jaxflash._triton import (LOG2_E, CompilerParams, dot, exp2, load, load_masked, mask2d, pl, quiet,
-                              store, use_interpret)
+from jaxflash import _checks, configs, score_mods, segments
+from jaxflash._triton import (APPROX_EXP2, LOG2_E, CompilerParams, block_size, dot, exp2, load,
+                              load_masked, load_tile, mask2d, operand_spec, pl, quiet, store,
+                              use_interpret)
 from jaxflash._util import dot_precision
 from jaxflash.configs import BackwardConfig
-from jaxflash.prefill import APPROX_EXP2, _block_size, _load_tile, _operand_spec
+from jaxflash.option_grads import option_grads
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import ScoreMods, window_size
-from jaxflash.sharding import like_primal, manual_axes, result_struct
+from jaxflash.sharding import manual_axes, result_struct
 
 
 def _lengths(mods: ScoreMods, q_lengths_ref, kv_lengths_ref, seq_q: int, seq_kv: int):
@@ -98,6 +96,9 @@ def _dkdv_kernel(
     scale_ref,  # [2] float32: (score_mods.score_scale, the softmax scale)
     bias_ref,  # [group?, seq_q?, block_k?] of bias[b, heads of KV head k] (None: no bias)
     mask_ref,  # the same for the mask, int8, nonzero = attend (None: no mask)
+    q_segment_ref,  # [seq_q] int32: every row's document id (None: no segments)
+    kv_segment_ref,  # [block_k] int32: these keys' document ids
+    span_ref,  # [2] int32: the query blocks whose ids may meet these keys' (segments.block_spans)
     q_ref,  # [seq_q, group, head_dim_padded]: every query head of KV head k's group
     do_ref,  # [seq_q, group, head_dim_padded]: dO of those heads
     lse_ref,  # [group, seq_q] float32 base-2 LSE (+inf: rows with nothing to attend)
@@ -149,6 +150,10 @@ def _dkdv_kernel(
   last_key = jnp.minimum(k_start + block_k, kv_valid) - 1
   bounds = score_mods.query_blocks(mods, k_start, last_key, shift, q_valid, block_q)
   lo, full_lo, full_hi, hi = (jnp.where(k_start < kv_valid, x, 0) for x in bounds)  # no key: no work
+  kv_ids = None
+  if kv_segment_ref is not None:  # packed documents: only the query blocks the ids let meet
+    lo, full_lo, full_hi, hi = segments.clamp_bounds((lo, full_lo, full_hi, hi), span_ref)
+    kv_ids = load_tile(kv_segment_ref, (True, False), 0, block_q, in_keys, None)  # [block_k, 1]
 
   def step(index, carry, *, start, count, edge: bool):
     dk, dv = carry  # [block_k, head_dim_padded] float32 each
@@ -186,6 +191,9 @@ def _dkdv_kernel(
     if mask_ref is not None:
       allowed = _load_tile_t(mask_ref, mask_layout, g, q_start, block_q, in_rows, in_keys) != 0
       ok = allowed if ok is None else ok & allowed
+    if kv_ids is not None:
+      same = kv_ids == load_tile(q_segment_ref, (False, True), q_start, block_q, None, in_rows)
+      ok = same if ok is None else ok & same
     if ok is not None:
       p_t = jnp.where(ok, p_t, 0.)
     dv = dv + dot(p_t.astype(compute_dtype), do, **dot_kwargs)
@@ -232,6 +240,9 @@ def _dq_kernel(
     scale_ref,  # [2] float32: (score_mods.score_scale, the softmax scale)
     bias_ref,  # [block_q?, seq_kv?] of bias[b, n] (None: no bias), as the forward's
     mask_ref,  # the same for the mask, int8 (None: no mask)
+    q_segment_ref,  # [block_q] int32: these rows' document ids (None: no segments)
+    kv_segment_ref,  # [seq_kv] int32: every key's document id
+    span_ref,  # [2] int32: the key blocks whose ids may meet these rows' (segments.block_spans)
     q_ref,  # [block_q, head_dim_padded]: rows of query head n of sequence b
     do_ref,  # [block_q, head_dim_padded]
     lse_ref,  # [block_q] float32 base-2 LSE (+inf: rows with nothing to attend)
@@ -276,6 +287,10 @@ def _dq_kernel(
   rows_end = jnp.minimum(q_start + block_q, q_valid)
   bounds = score_mods.key_blocks(mods, q_start, rows_end - 1, shift, kv_valid, block_k)
   lo, full_lo, full_hi, hi = (jnp.where(rows_end > q_start, x, 0) for x in bounds)  # no row: no work
+  q_ids = None
+  if q_segment_ref is not None:  # packed documents, as the forward
+    lo, full_lo, full_hi, hi = segments.clamp_bounds((lo, full_lo, full_hi, hi), span_ref)
+    q_ids = load_tile(q_segment_ref, (True, False), 0, block_k, in_rows, None)  # [block_q, 1]
 
   def step(j, dq, *, edge: bool):
     kv_start = pl.multiple_of(j * block_k, block_k)
@@ -287,13 +302,16 @@ def _dq_kernel(
     qk = dot(q, k, trans_b=True, **dot_kwargs)  # [block_q, block_k]
     bias = None
     if bias_ref is not None:
-      bias = _load_tile(bias_ref, bias_layout, kv_start, block_k, in_rows, key_ok).astype(jnp.float32)
+      bias = load_tile(bias_ref, bias_layout, kv_start, block_k, in_rows, key_ok).astype(jnp.float32)
     s = score_mods.scores(mods, qk, qk_scale, bias)
     p = exp2(s - lse[:, None], approx=approx_exp2)
     ok = score_mods.visible(mods, rows, keys, shift, kv_valid) if edge else None
     if mask_ref is not None:
-      allowed = _load_tile(mask_ref, mask_layout, kv_start, block_k, in_rows, key_ok) != 0
+      allowed = load_tile(mask_ref, mask_layout, kv_start, block_k, in_rows, key_ok) != 0
       ok = allowed if ok is None else ok & allowed
+    if q_ids is not None:
+      same = q_ids == load_tile(kv_segment_ref, (False, True), kv_start, block_k, None, key_ok)
+      ok = same if ok is None else ok & same
     if ok is not None:
       p = jnp.where(ok, p, 0.)
     dp = dot(do, v, trans_b=True, **dot_kwargs)  # [block_q, block_k]
@@ -353,7 +371,8 @@ def _grouped_spec(x, group: int, q_splits: int):
 
 
 def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, d_lse, *, bias,
-                     mask, scale, mods: ScoreMods, config: BackwardConfig, interpret, sinks=None):
+                     mask, scale, mods: ScoreMods, config: BackwardConfig, interpret, sinks=None,
+                     segment_ids=None, kv_segment_ids=None):
   """The launches, on checked arguments (shapes as `prefill_backward`; bias/mask rank 4,
   scale float32 []). Returns (dq, dk, dv, ds): ds the float32 [B, N, T, S] gradient of the
   scores before the bias is added (None without a bias). The kernels read the sinks
@@ -368,7 +387,8 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
     # Interpreted inside jax.shard_map with check_vma on, as the forward (jaxflash/prefill.py):
     # the plain-JAX reference's gradients stand in for the kernels'.
     return _reference_grads(query, key, value, q_lengths, kv_lengths, d_out, d_lse, bias=bias,
-                            mask=mask, sinks=sinks, scale=scale, mods=mods)
+                            mask=mask, sinks=sinks, scale=scale, mods=mods, segment_ids=segment_ids,
+                            kv_segment_ids=kv_segment_ids)
 
   # The pre-pass (XLA, fused): delta and the base-2 LSE, transposed to [B, N, T] so each
   # program's rows are contiguous. An LSE of -inf (nothing to attend) becomes +inf: P = 0.
@@ -425,8 +445,8 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
   # dK/dV: block_k keys resident, block_q query rows streamed, grid (KV block, KV head,
   # sequence). Under a causal mask the first key blocks have the most rows to see: they
   # start first.
-  block_k = _block_size(config.block_k, seq_kv)
-  block_q = _block_size(config.block_q, seq_q)
+  block_k = block_size(config.block_k, seq_kv)
+  block_q = block_size(config.block_q, seq_q)
   num_kv_blocks = pl.cdiv(seq_kv, block_k)
   # The dK/dV grid has only B * K * S / block_k programs (the GQA group is summed inside):
   # where that leaves SMs idle, each key block's query range is split over q_splits
@@ -454,6 +474,12 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
       dict(q_lengths=(q_lengths, length_spec), kv_lengths=(kv_lengths, length_spec),
            scale=(scales, pl.BlockSpec((2,), lambda p, h, b: (0,))),
            bias=(bias, bias_spec and bias_spec(block_k)), mask=(mask, mask_spec and mask_spec(block_k)),
+           segment_ids=(segment_ids, pl.BlockSpec((None, seq_q), lambda p, h, b: (b, 0))),
+           kv_segment_ids=(kv_segment_ids, pl.BlockSpec((None, block_k),
+                                                        lambda p, h, b: (b, lax.div(p, q_splits)))),
+           segment_spans=(None if segment_ids is None
+                          else segments.block_spans(kv_segment_ids, segment_ids, block_k, block_q),
+                          pl.BlockSpec((None, None, 2), lambda p, h, b: (b, lax.div(p, q_splits), 0))),
            query=(query, group_spec), d_out=(d_out, group_spec), lse=(lse2, row_spec),
            delta=(delta, row_spec), key=(key, key_spec), value=(value, key_spec)),
       grad_shapes, [grad_spec, grad_spec],
@@ -464,8 +490,8 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
 
   # dQ: config.dq_tiles (default: the dK/dV tiles swapped, block_k rows, block_q keys).
   dq_rows, dq_keys = config.dq_tiles
-  dq_block_q = _block_size(dq_rows, seq_q)
-  dq_block_k = _block_size(dq_keys, seq_kv)
+  dq_block_q = block_size(dq_rows, seq_q)
+  dq_block_k = block_size(dq_keys, seq_kv)
   num_q_blocks = pl.cdiv(seq_q, dq_block_q)
   # A query tile shrunk for a short sequence has too few rows to share among 8 warps.
   dq_warps = config.num_warps if dq_block_q == dq_rows else min(config.num_warps, 4)
@@ -482,8 +508,8 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
   vec_spec = pl.BlockSpec((None, None, dq_block_q), lambda n, i, b: (b, n, num_q_blocks - 1 - i))
   kv_spec = pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index)
   ds_spec = pl.BlockSpec((None, None, dq_block_q, seq_kv), lambda n, i, b: (b, n, num_q_blocks - 1 - i, 0))
-  bias_spec, bias_layout = (None, None) if bias is None else _operand_spec(bias, dq_block_q, num_q_blocks)
-  mask_spec, mask_layout = (None, None) if mask is None else _operand_spec(mask, dq_block_q, num_q_blocks)
+  bias_spec, bias_layout = (None, None) if bias is None else operand_spec(bias, dq_block_q, num_q_blocks)
+  mask_spec, mask_layout = (None, None) if mask is None else operand_spec(mask, dq_block_q, num_q_blocks)
   ds_shape = None if bias is None else ((batch, num_heads, seq_q, seq_kv), jnp.float32)
   dq, ds = launch(
       functools.partial(_dq_kernel, bias_layout=bias_layout, mask_layout=mask_layout,
@@ -492,6 +518,12 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
       dict(q_lengths=(q_lengths, length_spec), kv_lengths=(kv_lengths, length_spec),
            scale=(scales, pl.BlockSpec((2,), lambda n, i, b: (0,))),
            bias=(bias, bias_spec), mask=(mask, mask_spec),
+           segment_ids=(segment_ids, pl.BlockSpec((None, dq_block_q),
+                                                  lambda n, i, b: (b, num_q_blocks - 1 - i))),
+           kv_segment_ids=(kv_segment_ids, pl.BlockSpec((None, seq_kv), lambda n, i, b: (b, 0))),
+           segment_spans=(None if segment_ids is None
+                          else segments.block_spans(segment_ids, kv_segment_ids, dq_block_q, dq_block_k),
+                          pl.BlockSpec((None, None, 2), lambda n, i, b: (b, num_q_blocks - 1 - i, 0))),
            query=(query, q_spec), d_out=(d_out, q_spec), lse=(lse2, vec_spec),
            delta=(delta, vec_spec), key=(key, kv_spec), value=(value, kv_spec)),
       [(query.shape, query.dtype), ds_shape], [q_spec, ds_spec],
@@ -500,31 +532,8 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
   return dq, dk, dv, ds
 
 
-def option_grads(query, dq, lse, delta_parts, *, bias, sinks, scale, ds):
-  """The array options' gradients from the kernels' results, in XLA (module docstring):
-  (d_bias in the bias's shape and dtype, d_sinks [N] float32, d_scale [] float32), None
-  for an option not given. delta_parts: (out, d_out, d_lse or None) to rebuild delta."""
-  d_bias = d_sinks = None
-  if bias is not None:
-    axes = tuple(i for i, size in enumerate(bias.shape) if size == 1)
-    d_bias = jnp.sum(ds, axis=axes, keepdims=True).astype(bias.dtype)
-  if sinks is not None:
-    out, d_out, d_lse = delta_parts
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
-    if d_lse is not None:
-      delta = delta - d_lse.astype(jnp.float32)
-    finite = jnp.isfinite(lse)  # padded rows (-inf) have no sink term
-    p_sink = jnp.where(finite, jnp.exp(sinks[None, None, :] - jnp.where(finite, lse, 0.)), 0.)
-    d_sinks = -jnp.sum(p_sink * delta, axis=(0, 1))
-  scale = jnp.asarray(scale, jnp.float32)
-  d_scale = jnp.sum(dq.astype(jnp.float32) * query.astype(jnp.float32))
-  # dQ = scale * dS' K: a scale of exactly 0 leaves no trace of dS' in dQ (documented).
-  d_scale = jnp.where(scale != 0, d_scale / jnp.where(scale != 0, scale, 1.), 0.)
-  return d_bias, d_sinks, d_scale
-
-
 def _reference_grads(query, key, value, q_lengths, kv_lengths, d_out, d_lse, *, bias, mask, sinks,
-                     scale, mods: ScoreMods):
+                     scale, mods: ScoreMods, segment_ids=None, kv_segment_ids=None):
   """backward_kernels' results by differentiating the plain-JAX reference (the bias taken
   at full size [B, N, T, S], so its gradient is ds itself)."""
   scores_shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
@@ -534,7 +543,8 @@ def _reference_grads(query, key, value, q_lengths, kv_lengths, d_out, d_lse, *, 
     return attention_reference(
         q, k, v, bias, mask, scale=scale, is_causal=mods.is_causal, query_seq_lengths=q_lengths,
         key_value_seq_lengths=kv_lengths, local_window_size=mods.window,
-        logits_soft_cap=mods.logits_soft_cap, sinks=sinks, causal_alignment=mods.causal_alignment)
+        logits_soft_cap=mods.logits_soft_cap, sinks=sinks, causal_alignment=mods.causal_alignment,
+        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
 
   (out, lse), vjp = jax.vjp(forward, query, key, value, full_bias)
   d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse.astype(lse.dtype)
@@ -546,8 +556,8 @@ def _reference_grads(query, key, value, q_lengths, kv_lengths, d_out, d_lse, *, 
 def prefill_backward(query, key, value, out, lse, d_out, d_lse=None, query_seq_lengths=None,
                      key_value_seq_lengths=None, *, bias=None, mask=None, sinks=None, scale=None,
                      is_causal=False, local_window_size=None, logits_soft_cap=None,
-                     causal_alignment="bottom_right", config: BackwardConfig | None = None,
-                     interpret: bool | None = None):
+                     causal_alignment="bottom_right", segment_ids=None, kv_segment_ids=None,
+                     config: BackwardConfig | None = None, interpret: bool | None = None):
   """Gradients of `prefill_attention` (FlashAttention-2, Algorithm 2), the same options.
 
   query [B, T, N, H]; key, value [B, S, K, H]; out [B, T, N, H] and lse [B, T, N] (natural
@@ -572,13 +582,16 @@ def prefill_backward(query, key, value, out, lse, d_out, d_lse=None, query_seq_l
   bias = _checks.check_bias(bias, scores_shape)
   mask = _checks.check_mask(mask, scores_shape)
   sinks = _checks.check_sinks(sinks, num_heads)
+  segment_ids, kv_segment_ids = segments.check_segment_ids(segment_ids, kv_segment_ids, batch, seq_q,
+                                                           key.shape[1])
   mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   scale = _checks.scale_operand(scale, head_dim)
   config = resolve_config(config, head_dim, jnp.promote_types(query.dtype, key.dtype))
   dq, dk, dv, ds = backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, d_lse,
                                     bias=bias, mask=mask, scale=scale, mods=mods, config=config,
-                                    interpret=interpret, sinks=sinks)
+                                    interpret=interpret, sinks=sinks, segment_ids=segment_ids,
+                                    kv_segment_ids=kv_segment_ids)
   d_bias, d_sinks, d_scale = option_grads(query, dq, lse, (out, d_out, d_lse), bias=bias,
                                           sinks=sinks, scale=scale, ds=ds)
   grads = dict(dq=dq, dk=dk, dv=dv, d_scale=d_scale)
@@ -606,67 +619,3 @@ def prefill_backward_reference(query, key, value, d_out, query_seq_lengths=None,
 
   _, vjp = jax.vjp(forward, query, key, value)
   return vjp(d_out.astype(query.dtype))
-
-
-# ----------------------------------------------------------------------------- the custom VJP
-
-def _first_order(fn: Callable) -> Callable:
-  """fn, with a clear error where JAX would differentiate it (second derivatives)."""
-  wrapped = jax.custom_jvp(fn)
-
-  def no_jvp(primals, tangents):
-    del primals, tangents
-    raise NotImplementedError(
-        "jaxflash attention: second derivatives (differentiating the backward pass, as in "
-        "jax.hessian or grad of grad) are not implemented; differentiate once, or use "
-        "implementation='xla'")
-
-  wrapped.defjvp(no_jvp)
-  return wrapped
-
-
-def differentiable(forward: Callable, backward: Callable, query, key, value, q_lengths=None,
-                   kv_lengths=None, *, bias=None, mask=None, sinks=None, scale, return_residual: bool):
-  """Attention through `forward`, differentiated through `backward` (a `jax.custom_vjp`).
-
-  The forward is pluggable (the Pallas-Triton prefill, the Mosaic GPU prefill, the decode
-  kernels): any kernel whose out and natural-log LSE (including the sink) have the
-  semantics of `jaxflash.reference` for the options `backward` is built with.
-
-  forward(q, k, v, q_lengths, kv_lengths, bias, mask, sinks, scale, with_lse) -> out, or
-  (out, lse) when with_lse; backward(q, k, v, q_lengths, kv_lengths, out, lse, d_out, d_lse,
-  bias, mask, sinks, scale) -> (dq, dk, dv, ds), ds the float32 [B, N, T, S] score gradient (None
-  without a bias). bias/mask rank 4, sinks float32 [N], scale float32 [] (checked).
-  Not differentiated, only forward(..., return_residual) runs: the forward is exactly as
-  fast as without the VJP. Differentiated, the residuals are the inputs, out and the LSE
-  (O(n) memory; the scores are recomputed); the LSE's cotangent (return_residual=True)
-  enters delta as delta - dLSE; bias, sinks and scale get their gradients (`option_grads`).
-  Forward-mode (jax.jvp) raises JAX's custom_vjp error; second derivatives raise
-  NotImplementedError.
-  """
-  backward = _first_order(backward)
-  # The forward as the VJP's forward rule runs it: differentiating that (a second
-  # derivative) would differentiate the kernel itself.
-  forward_for_vjp = _first_order(lambda *args: forward(*args, True))
-
-  @jax.custom_vjp
-  def attend(q, k, v, bias, sinks, scale, q_len, kv_len, mask):
-    return forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, return_residual)
-
-  def attend_fwd(q, k, v, bias, sinks, scale, q_len, kv_len, mask):
-    out, lse = forward_for_vjp(q, k, v, q_len, kv_len, bias, mask, sinks, scale)
-    residuals = (q, k, v, bias, sinks, scale, q_len, kv_len, mask, out, lse)
-    return ((out, lse) if return_residual else out), residuals
-
-  def attend_bwd(residuals, cotangent):
-    q, k, v, bias, sinks, scale, q_len, kv_len, mask, out, lse = residuals
-    d_out, d_lse = cotangent if return_residual else (cotangent, None)
-    dq, dk, dv, ds = backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale)
-    d_bias, d_sinks, d_scale = option_grads(q, dq, lse, (out, d_out, d_lse), bias=bias, sinks=sinks,
-                                            scale=scale, ds=ds)
-    grads = (dq, dk, dv, d_bias, d_sinks, d_scale)
-    grads = tuple(like_primal(g, x) for g, x in zip(grads, (q, k, v, bias, sinks, scale)))
-    return (*grads, None, None, None)
-
-  attend.defvjp(attend_fwd, attend_bwd)
-  return attend(query, key, value, bias, sinks, scale, q_lengths, kv_lengths, mask)

@@ -7,7 +7,8 @@ key_value_seq_lengths[b]):
   * position p = t + S_b - T_b with `causal_alignment="bottom_right"` (FlashAttention's
     convention: a sequence's queries are its last T_b positions), p = t with "top_left"
     (`jax.nn.dot_product_attention`'s tril over [T, S]);
-  * key s is visible when s < S_b, t < T_b, `mask[b, n, t, s]` (True = attend), s <= p under
+  * key s is visible when s < S_b, t < T_b, `mask[b, n, t, s]` (True = attend),
+    `segment_ids[b, t] == kv_segment_ids[b, s]` (packed documents), s <= p under
     `is_causal`, and p - left <= s <= p + right under `local_window_size=(left, right)`;
   * the score is scale * q.k + bias[b, n, t, s], then cap * tanh(score / cap) with
     `logits_soft_cap`, -inf where not visible;
@@ -48,9 +49,10 @@ def visible_keys(batch: int, seq_q: int, seq_kv: int, *, is_causal: bool = False
 def attention_reference(query, key, value, bias=None, mask=None, *, scale: float,
                         is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, logits_soft_cap=None, sinks=None,
-                        causal_alignment: str = "bottom_right"):
+                        causal_alignment: str = "bottom_right", segment_ids=None, kv_segment_ids=None):
   """query [B, T, N, H], key/value [B, S, K, H] (N a multiple of K), bias/mask broadcastable to
-  [B, N, T, S], sinks [N], local_window_size (left, right) or None -> (out [B, T, N, H] in the
+  [B, N, T, S], sinks [N], local_window_size (left, right) or None, segment_ids [B, T] and
+  kv_segment_ids [B, S] (both or neither) -> (out [B, T, N, H] in the
   query's dtype, natural-log lse [B, T, N] float32). Semantics: the module docstring."""
   b, t, n, h = query.shape
   s, kh = key.shape[1], key.shape[2]
@@ -70,6 +72,9 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale: float
                          causal_alignment=causal_alignment)[:, None]  # [B, 1, T, S]
   if mask is not None:
     visible = visible & jnp.broadcast_to(mask, (b, n, t, s))
+  if segment_ids is not None:
+    visible = visible & (jnp.asarray(segment_ids)[:, None, :, None]
+                         == jnp.asarray(kv_segment_ids)[:, None, None, :])
   visible = jnp.broadcast_to(visible, (b, n, t, s))
   scores = jnp.where(visible, scores, -jnp.inf)
   if sinks is not None:

@@ -84,9 +84,10 @@ SCORE_GRADIENT = ("b", "n", "t", "s")  # ds [B, N, T, S]: the bias's gradient be
 
 
 # Optional operands, passed to the kernel by keyword: bias and mask [B, N, T, S] (rank 4;
-# an axis of size 1 is a broadcast one and gets a factor of its own), sinks [N], scale [].
+# an axis of size 1 is a broadcast one and gets a factor of its own), sinks [N], scale [],
+# segment ids [B, T] and [B, S].
 OPTION_DIMS = {"bias": ("b", "n", "t", "s"), "mask": ("b", "n", "t", "s"), "sinks": ("n",),
-               "scale": ()}
+               "scale": (), "segment_ids": ("b", "t"), "kv_segment_ids": ("b", "s")}
 
 
 def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_lengths=None,
@@ -101,14 +102,16 @@ def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_len
 
 
 def prefill_backward(kernel, query, key, value, query_seq_lengths, key_value_seq_lengths, out, lse,
-                     d_out, d_lse=None, *, bias=None, mask=None, sinks=None, scale=None):
+                     d_out, d_lse=None, *, bias=None, mask=None, sinks=None, scale=None,
+                     segment_ids=None, kv_segment_ids=None):
   """kernel(query, key, value, q_lengths, kv_lengths, out, lse, d_out, d_lse, bias=, mask=,
-  sinks=, scale=) -> (dq, dk, dv, ds), sharding-aware: the gradients keep the inputs' batch and
+  sinks=, scale=, segment_ids=, kv_segment_ids=) -> (dq, dk, dv, ds), sharding-aware: the gradients keep the inputs' batch and
   head splits (dq the query's, dk and dv the keys', ds [B, N, T, S] the batch's and query
   heads'; ds None without a bias). Where key/value are replicated over the head axes (fewer
   KV heads than devices), each device's dK/dV covers its query heads only and the devices'
   parts are summed: the one collective the math needs."""
-  options = dict(bias=bias, mask=mask, sinks=sinks, scale=scale)
+  options = dict(bias=bias, mask=mask, sinks=sinks, scale=scale, segment_ids=segment_ids,
+                 kv_segment_ids=kv_segment_ids)
   result_dims = GRADIENTS if bias is None else GRADIENTS + (SCORE_GRADIENT,)
 
   def run(*args, **kw):

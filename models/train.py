@@ -3,6 +3,7 @@
     python -m models.train                                  # random demo model, synthetic data
     python -m models.train --text README.md --steps 100     # bytes of a text file
     python -m models.train --checkpoint ~/models/Qwen2.5-0.5B --text corpus.txt --dtype bfloat16
+    python -m models.train --pack --seq-len 256 --doc-len 64  # packed documents
 
 Next-token cross-entropy, optax AdamW, one jitted step (forward, jaxflash's FlashAttention-2
 backward through jax.custom_vjp, the optimizer update). Without `--checkpoint` the model is
@@ -12,6 +13,11 @@ tokenizer. Without `--text` the data is synthetic: bytes of a fixed random first
 Markov chain over a 16-letter alphabet, so the loss falls quickly from ln(vocab) towards the
 chain's entropy. On a CPU the kernels run in Pallas interpret mode: the default run (a few
 dozen steps on short rows) takes well under a minute.
+
+With `--pack` each row holds several documents of random lengths (random spans of the same
+data, up to `--doc-len` tokens each) end to end, with segment ids: attention stays inside each
+document (jaxflash.attention's `segment_ids`), positions restart at each, and the loss leaves
+out the one target per boundary that belongs to the next document.
 """
 from __future__ import annotations
 
@@ -45,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "kernel for the device; xla: jaxflash's plain-JAX path; cudnn: GPU only)")
   parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the "
                       "checkpoint's dtype; float32 for the random model)")
+  parser.add_argument("--pack", action="store_true",
+                      help="pack documents of random lengths into each row, with segment ids")
+  parser.add_argument("--doc-len", type=int, default=None,
+                      help="with --pack: the longest document, in tokens (lengths are uniform from "
+                      "a quarter of it up; unset: a quarter of --seq-len)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--log-every", type=int, default=5)
   return parser.parse_args(argv)
@@ -105,25 +116,53 @@ def batches(ids: np.ndarray, batch: int, seq_len: int, seed: int):
     yield np.stack([ids[s:s + seq_len + 1] for s in starts])
 
 
-def cross_entropy(model, tokens, attention_impl):
-  """Mean next-token cross-entropy of tokens [B, T + 1] (float32 log-softmax)."""
-  logits = model(tokens[:, :-1], attention_impl=attention_impl).astype(jnp.float32)
+def packed_batches(ids: np.ndarray, batch: int, seq_len: int, doc_len: int, seed: int):
+  """Endless rows of seq_len + 1 tokens packed from documents (random spans of `ids`) of
+  uniform random lengths in [max(2, doc_len // 4), doc_len], the last one cut to fit:
+  (tokens, segment_ids), both [batch, seq_len + 1] int32; ids number the row's documents."""
+  rng = np.random.default_rng(seed + 1)
+  shortest = max(2, doc_len // 4)
+  while True:
+    tokens = np.empty((batch, seq_len + 1), np.int32)
+    segments = np.empty((batch, seq_len + 1), np.int32)
+    for row in range(batch):
+      filled, document = 0, 0
+      while filled < seq_len + 1:
+        length = min(int(rng.integers(shortest, doc_len + 1)), seq_len + 1 - filled)
+        start = int(rng.integers(0, ids.size - length))
+        tokens[row, filled:filled + length] = ids[start:start + length]
+        segments[row, filled:filled + length] = document
+        filled, document = filled + length, document + 1
+    yield tokens, segments
+
+
+def cross_entropy(model, tokens, attention_impl, segment_ids=None):
+  """Mean next-token cross-entropy of tokens [B, T + 1] (float32 log-softmax). With
+  segment_ids [B, T + 1] (packed documents) a token's target counts only inside its document."""
+  inputs_segments = None if segment_ids is None else segment_ids[:, :-1]
+  logits = model(tokens[:, :-1], attention_impl=attention_impl,
+                 segment_ids=inputs_segments).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T]
+  if segment_ids is None:
+    return jnp.mean(nll)
+  inside = (segment_ids[:, :-1] == segment_ids[:, 1:]).astype(jnp.float32)
+  return jnp.sum(nll * inside) / jnp.maximum(jnp.sum(inside), 1.)
 
 
 def make_step(model, optimizer, attention_impl):
-  """-> (params, opt_state, step): step(params, opt_state, tokens) -> (params, opt_state, loss)."""
+  """-> (params, opt_state, step): step(params, opt_state, tokens, segment_ids=None) ->
+  (params, opt_state, loss)."""
   import optax
   from flax import nnx
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-  def loss_fn(params, tokens):
-    return cross_entropy(nnx.merge(graphdef, params, rest), tokens, attention_impl)
+  def loss_fn(params, tokens, segment_ids):
+    return cross_entropy(nnx.merge(graphdef, params, rest), tokens, attention_impl, segment_ids)
 
   @jax.jit
-  def step(params, opt_state, tokens):
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+  def step(params, opt_state, tokens, segment_ids=None):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, segment_ids)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -141,16 +180,27 @@ def train(args, log=print) -> list[float]:
   log(f"model:     {label}")
   log(f"attention: {kernels if impl is None else args.attention}; {jnp.dtype(model.dtype).name} on "
       f"{jax.devices()[0].device_kind}")
-  log(f"data:      {args.text or 'synthetic Markov bytes'}; batch {args.batch} x {args.seq_len} tokens")
+  doc_len = args.doc_len or max(2, args.seq_len // 4)
+  if args.pack and doc_len < 2:
+    raise SystemExit(f"error: --doc-len must be at least 2, got {args.doc_len}")
+  packing = f", packed documents of up to {doc_len} tokens" if args.pack else ""
+  log(f"data:      {args.text or 'synthetic Markov bytes'}; batch {args.batch} x {args.seq_len} "
+      f"tokens{packing}")
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(args.steps, 2))
   optimizer = optax.adamw(schedule, weight_decay=args.weight_decay)
   params, opt_state, step = make_step(model, optimizer, impl)
-  data = batches(token_stream(args, tokenizer), args.batch, args.seq_len, args.seed)
+  ids = token_stream(args, tokenizer)
+  if args.pack:
+    data = packed_batches(ids, args.batch, args.seq_len, doc_len, args.seed)
+  else:
+    data = ((tokens, None) for tokens in batches(ids, args.batch, args.seq_len, args.seed))
   losses = []
   started = time.perf_counter()
   with tqdm(range(args.steps), desc="training", unit="step") as bar:
     for i in bar:
-      params, opt_state, loss = step(params, opt_state, jnp.asarray(next(data)))
+      tokens, segment_ids = next(data)
+      segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+      params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens), segment_ids)
       losses.append(float(loss))
       bar.set_postfix(loss=f"{losses[-1]:.3f}")
       if i % args.log_every == 0 or i == args.steps - 1:

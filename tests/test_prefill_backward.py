@@ -381,10 +381,10 @@ def _d_sinks_shift_from_out(attend, args, d_out, options) -> float:
 
 
 def test_the_forward_is_pluggable(rng):
-  """differentiable() takes any forward with the reference's out and LSE: with the
+  """vjp.with_backward takes any forward with the reference's out and LSE: with the
   plain-JAX reference as a stand-in forward (as the Mosaic kernel is on Hopper) the
   Triton backward's gradients equal float64 ones, and the stand-in is what runs forward."""
-  from jaxflash import prefill_backward
+  from jaxflash import prefill_backward, vjp
   from jaxflash.reference import attention_reference
   from jaxflash.score_mods import ScoreMods
   q, k, v, d_out = _inputs(rng, 2, 20, 20, 4, 2, 64, F32)
@@ -393,19 +393,19 @@ def test_the_forward_is_pluggable(rng):
   mods = ScoreMods(is_causal=True)
   calls = []
 
-  def forward(q, k, v, q_len, kv_len, bias, mask, sinks, scale, with_lse):
+  def forward(q, k, v, o: vjp.Options, with_lse):
     calls.append(with_lse)
-    return attention_reference(q, k, v, bias, mask, scale=scale, is_causal=True, sinks=sinks,
-                               query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+    return attention_reference(q, k, v, o.bias, o.mask, scale=o.scale, is_causal=True, sinks=o.sinks,
+                               query_seq_lengths=o.q_lengths, key_value_seq_lengths=o.kv_lengths)
 
-  def backward(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, bias, mask, sinks, scale):
-    return prefill_backward.backward_kernels(q, k, v, q_len, kv_len, out, lse, d_out, d_lse,
-                                             bias=bias, mask=mask, scale=scale, mods=mods,
+  def backward(q, k, v, o: vjp.Options, out, lse, d_out, d_lse):
+    return prefill_backward.backward_kernels(q, k, v, o.q_lengths, o.kv_lengths, out, lse, d_out,
+                                             d_lse, bias=o.bias, mask=o.mask, scale=o.scale, mods=mods,
                                              config=BackwardConfig(16, 16), interpret=True)
 
   def attend(q, k, v, bias, sinks, scale):
-    return prefill_backward.differentiable(forward, backward, q, k, v, None, kv_lengths,
-                                           scale=scale, return_residual=True)
+    return vjp.with_backward(forward, q, k, v, vjp.Options(None, kv_lengths, scale=scale),
+                             backward=backward, return_residual=True)
 
   scale = jnp.float32(64 ** -0.5)
   got = jax.grad(_loss(attend, d_out, d_lse), argnums=(0, 1, 2, 5))(q, k, v, None, None, scale)

@@ -35,17 +35,18 @@ from models.qwen2.rope import apply_rope
 
 def dot_product_attention(query, key, value, *, impl: str | None, is_causal: bool,
                           query_lengths=None, kv_lengths=None, block_table=None,
-                          local_window_size=None) -> jax.Array:
+                          local_window_size=None, segment_ids=None) -> jax.Array:
   """query [B, T, N, H]; key/value [B, S, K, H] or page pools [P, page, K, H] with block_table
   [B, max_pages]; lengths [B] int32 -> [B, T, N, H]. Causal is bottom-right per row: query t
   of row b sits at key position kv_lengths[b] - query_lengths[b] + t (FlashAttention's
   convention), so new tokens after a cached prefix see the prefix; local_window_size
-  (left, right) keeps keys [p - left, p + right] of a query at position p. The model's one
+  (left, right) keeps keys [p - left, p + right] of a query at position p; segment_ids [B, T]
+  (packed documents, no cache) keeps keys of the query's own document. The model's one
   call into jaxflash.attention, so that the causal alignment is named in one place."""
   return jaxflash.attention(query, key, value, is_causal=is_causal, query_seq_lengths=query_lengths,
                             key_value_seq_lengths=kv_lengths, block_table=block_table,
                             local_window_size=local_window_size, implementation=impl,
-                            causal_alignment="bottom_right")
+                            causal_alignment="bottom_right", segment_ids=segment_ids)
 
 
 class Attention(nnx.Module):
@@ -69,7 +70,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array, norm: RMSNorm, rope: tuple[jax.Array, jax.Array],
                lengths: jax.Array | None, kv: LayerKV | None, *, plan: StepPlan,
-               workspace: DecodeWorkspace | None = None
+               workspace: DecodeWorkspace | None = None, segment_ids: jax.Array | None = None
                ) -> tuple[PartialSums, LayerKV | None, DecodeWorkspace | None]:
     """Attention of norm(x), x [B, T, hidden] (the norm is applied here: in a decode step it
     folds into the q/k/v kernel); rope = (cos, sin) [B, T, head_dim/2]; lengths [B] valid
@@ -94,21 +95,23 @@ class Attention(nnx.Module):
       with jax.named_scope("kv_cache_write"):
         kv = kv.write(k, v, new_lengths, kernel=plan.cache_write == "kernel")
     with jax.named_scope("attention"):
-      heads = self.attend(q, k, v, kv, lengths, new_lengths, plan)
+      heads = self.attend(q, k, v, kv, lengths, new_lengths, plan, segment_ids)
     with jax.named_scope("output_projection"):
       return self._output_projection(heads, x.dtype, plan), kv, workspace
 
-  def attend(self, q, k, v, kv: LayerKV | None, lengths, new_lengths, plan: StepPlan):
+  def attend(self, q, k, v, kv: LayerKV | None, lengths, new_lengths, plan: StepPlan,
+             segment_ids=None):
     """q [B, T, N, H] over k, v [B, T, K, H] (no cache) or over kv's cache, which already
     holds the new tokens -> heads [B, T, N * H], or a decode step's unmerged split-KV chunks
-    (jaxflash.SplitKV) with `plan.split_kv`."""
+    (jaxflash.SplitKV) with `plan.split_kv`. segment_ids [B, T]: packed documents (no cache)."""
     batch, steps = q.shape[:2]
     impl = plan.attention_impl
     # Transformers' Qwen2 window: key j is seen from position p when p - W < j <= p.
     window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
     if kv is None:
       out = dot_product_attention(q, k, v, impl=impl, is_causal=True, query_lengths=lengths,
-                                  kv_lengths=lengths, local_window_size=window)
+                                  kv_lengths=lengths, local_window_size=window,
+                                  segment_ids=segment_ids)
       return out.reshape(batch, steps, -1)
     q = q.astype(kv.keys.dtype)
     total = kv.lengths + new_lengths  # [B] tokens in the cache, the new ones included

@@ -28,11 +28,12 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(config.hidden_size, config.intermediate_size, **kinds)
 
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], lengths: jax.Array | None,
-               kv: LayerKV | None, *, plan: StepPlan, workspace: DecodeWorkspace | None = None
-               ) -> tuple[jax.Array, LayerKV | None, DecodeWorkspace | None]:
-    """x [B, T, hidden] -> (x [B, T, hidden], kv, workspace); `plan` says which kernels run."""
+               kv: LayerKV | None, *, plan: StepPlan, workspace: DecodeWorkspace | None = None,
+               segment_ids: jax.Array | None = None) -> tuple[jax.Array, LayerKV | None, DecodeWorkspace | None]:
+    """x [B, T, hidden] -> (x [B, T, hidden], kv, workspace); `plan` says which kernels run;
+    segment_ids [B, T]: packed documents (attention stays inside each)."""
     out, kv, workspace = self.attention(x, self.pre_attention_norm, rope, lengths, kv, plan=plan,
-                                        workspace=workspace)
+                                        workspace=workspace, segment_ids=segment_ids)
     with jax.named_scope("output_projection"):
       x, normed = add_and_norm(x, out, self.pre_mlp_norm, fused=plan.residual_norm)
     x = x + self.mlp(normed, plan=plan)

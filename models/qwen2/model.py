@@ -16,6 +16,17 @@ from models.qwen2.plan import DecodeWorkspace, StepPlan
 from models.qwen2.rope import rope_frequencies
 
 
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+  """segment_ids [B, T] -> positions [B, T] int32 counting from 0 at each document's first
+  token (wherever the id differs from the token before)."""
+  steps = segment_ids.shape[1]
+  index = jnp.arange(steps, dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)  # [B, T]
+  first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # the document's first index
+  return index - first
+
+
 class Qwen2ForCausalLM(nnx.Module):
   """Token ids [B, T] -> logits [B, T, vocab] (and an updated KV cache when given one).
 
@@ -44,8 +55,8 @@ class Qwen2ForCausalLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                cache: KVCache | None = None, *, lengths: jax.Array | None = None,
-               attention_impl: str | None = None, plan: StepPlan | None = None
-               ) -> jax.Array | tuple[jax.Array, KVCache]:
+               attention_impl: str | None = None, plan: StepPlan | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
     """tokens [B, T] int -> logits [B, T, vocab] without a cache, (logits, cache) with one.
 
     positions [B, T]: default 0..T-1 after the tokens already cached. lengths [B]: the
@@ -54,8 +65,10 @@ class Qwen2ForCausalLM(nnx.Module):
     cache.lengths[b] cached ones and attend to those and to themselves (causal; on a layer
     with a sliding window W, to the last W of them only: `Qwen2Config`): T == 1 is a
     decode step, T > 1 a prompt or a chunk of one (lengths 0 marks a finished row: nothing
-    is written for it). Calls with a cache run the forward-only decode-step kernels when
-    they have at most 16 token rows (models/qwen2/plan.py); differentiate calls without one.
+    is written for it). segment_ids [B, T] int: packed documents (training rows holding
+    several texts; no cache): a token attends only to earlier tokens of its own document,
+    and positions default to restarting at 0 where the id changes. Calls with a cache run
+    the forward-only decode-step kernels when they have at most 16 token rows (models/qwen2/plan.py); differentiate calls without one.
 
     attention_impl: `jaxflash.attention`'s `implementation` (one of jaxflash.IMPLEMENTATIONS;
     None: the best kernel). plan: how the call runs (default `StepPlan.build`: for A/B runs).
@@ -63,14 +76,15 @@ class Qwen2ForCausalLM(nnx.Module):
     be, and an id out of range gives meaningless logits.
     """
     hidden, cache, _ = self.hidden_states(tokens, positions, cache, lengths=lengths,
-                                          attention_impl=attention_impl, plan=plan)
+                                          attention_impl=attention_impl, plan=plan,
+                                          segment_ids=segment_ids)
     logits = self.logits(hidden)
     return logits if cache is None else (logits, cache)
 
   def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
                     cache: KVCache | None = None, *, lengths: jax.Array | None = None,
                     attention_impl: str | None = None, plan: StepPlan | None = None,
-                    workspace: DecodeWorkspace | None = None
+                    workspace: DecodeWorkspace | None = None, segment_ids: jax.Array | None = None
                     ) -> tuple[jax.Array, KVCache | None, DecodeWorkspace | None]:
     """As `__call__` but stops before the LM head: -> (hidden [B, T, hidden], cache,
     workspace). `workspace`: the decode loop's scratch (models/qwen2/plan.py), passed from
@@ -92,6 +106,14 @@ class Qwen2ForCausalLM(nnx.Module):
                        + (" and no cache" if cache is None else ""))
     if plan.qkv_counters and workspace is None:
       workspace = DecodeWorkspace.create()
+    if segment_ids is not None:
+      if cache is not None:
+        raise ValueError("segment_ids (packed documents) are for calls without a cache")
+      if tuple(segment_ids.shape) != (batch, steps):
+        raise ValueError(f"segment_ids must have the tokens' shape {(batch, steps)}, got "
+                         f"{tuple(segment_ids.shape)}")
+      if positions is None:
+        positions = document_positions(segment_ids)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(steps, dtype=jnp.int32), (batch, steps))
       if cache is not None:
@@ -105,7 +127,8 @@ class Qwen2ForCausalLM(nnx.Module):
     for index, layer in enumerate(self.layers):
       with jax.named_scope(f"layer_{index}"):
         kv = None if cache is None else cache.layer(index)
-        x, kv, workspace = layer(x, rope, lengths, kv, plan=plan, workspace=workspace)
+        x, kv, workspace = layer(x, rope, lengths, kv, plan=plan, workspace=workspace,
+                                 segment_ids=segment_ids)
         layer_caches.append(kv)
     with jax.named_scope("final_norm"):
       x = self.final_norm(x)

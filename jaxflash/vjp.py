@@ -1,0 +1,132 @@
+"""The custom VJP of every attention forward, wired once: a forward kernel paired with a
+backward chosen at trace time.
+
+Protocol (any kernel with the out and natural-log LSE of `jaxflash.reference` for the
+options the pair is built with: the Pallas-Triton prefill, the Mosaic GPU prefill, the
+decode kernels):
+
+    forward(q, k, v, options: Options, with_lse) -> out, or (out, lse) when with_lse
+    backward(q, k, v, options: Options, out, lse, d_out, d_lse) -> (dq, dk, dv, ds)
+
+ds is the float32 [B, N, T, S] score gradient (None without a bias). Differentiated, the
+residuals are the inputs, out and the LSE (O(n) memory: the scores are recomputed, as
+FlashAttention-2's Algorithm 2); bias, sinks and scale get their gradients in XLA
+(`jaxflash.option_grads`). Not differentiated, only the forward runs.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from jaxflash import prefill_backward, sharding
+from jaxflash.option_grads import option_grads
+from jaxflash.score_mods import ScoreMods
+
+# None: the Triton backward, for every forward. "triton": the same, named. "mosaic": the
+# Pallas Mosaic GPU backward (sm_90), not built yet.
+BACKWARD_IMPLEMENTATIONS = (None, "triton", "mosaic")
+
+
+class Options(NamedTuple):
+  """The array options a forward and its backward take, checked (None: absent)."""
+  q_lengths: Any = None  # int32 [B]
+  kv_lengths: Any = None  # int32 [B]
+  bias: Any = None  # float, rank 4, broadcastable to [B, N, T, S]
+  mask: Any = None  # bool, rank 4, likewise
+  sinks: Any = None  # float32 [N]
+  scale: Any = None  # float32 []
+  segment_ids: Any = None  # int32 [B, T]
+  kv_segment_ids: Any = None  # int32 [B, S]
+
+  def arrays(self) -> dict:
+    """The keyword options a kernel takes beside (q, k, v, q_lengths, kv_lengths)."""
+    return dict(bias=self.bias, mask=self.mask, sinks=self.sinks, scale=self.scale,
+                segment_ids=self.segment_ids, kv_segment_ids=self.kv_segment_ids)
+
+
+def _first_order(fn: Callable) -> Callable:
+  """fn, with a clear error where JAX would differentiate it (second derivatives)."""
+  wrapped = jax.custom_jvp(fn)
+
+  def no_jvp(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(
+        "jaxflash attention: second derivatives (differentiating the backward pass, as in "
+        "jax.hessian or grad of grad) are not implemented; differentiate once, or use "
+        "implementation='xla'")
+
+  wrapped.defjvp(no_jvp)
+  return wrapped
+
+
+def with_backward(forward: Callable, query, key, value, options: Options, *, backward: Callable,
+                  return_residual: bool):
+  """Attention through `forward`, differentiated through `backward` (a `jax.custom_vjp`;
+  protocol: the module docstring). The LSE's cotangent (return_residual=True) enters delta
+  as delta - dLSE. Forward-mode (jax.jvp) raises JAX's custom_vjp error; second
+  derivatives raise NotImplementedError."""
+  backward = _first_order(backward)
+  # The forward as the VJP's forward rule runs it: differentiating that (a second
+  # derivative) would differentiate the kernel itself.
+  forward_for_vjp = _first_order(lambda q, k, v, options: forward(q, k, v, options, True))
+
+  @jax.custom_vjp
+  def attend(q, k, v, options):
+    return forward(q, k, v, options, return_residual)
+
+  def attend_fwd(q, k, v, options):
+    out, lse = forward_for_vjp(q, k, v, options)
+    return ((out, lse) if return_residual else out), (q, k, v, options, out, lse)
+
+  def attend_bwd(residuals, cotangent):
+    q, k, v, options, out, lse = residuals
+    d_out, d_lse = cotangent if return_residual else (cotangent, None)
+    dq, dk, dv, ds = backward(q, k, v, options, out, lse, d_out, d_lse)
+    d_bias, d_sinks, d_scale = option_grads(q, dq, lse, (out, d_out, d_lse), bias=options.bias,
+                                            sinks=options.sinks, scale=options.scale, ds=ds)
+    dq, dk, dv = (sharding.like_primal(g, x) for g, x in zip((dq, dk, dv), (q, k, v)))
+    d_options = Options(bias=sharding.like_primal(d_bias, options.bias),
+                        sinks=sharding.like_primal(d_sinks, options.sinks),
+                        scale=sharding.like_primal(d_scale, options.scale))
+    # Integer and boolean options (lengths, mask, ids) have no cotangent.
+    d_options = Options(*(None if x is None else g for g, x in zip(d_options, options)))
+    return dq, dk, dv, d_options
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend(query, key, value, options)
+
+
+def triton_backward(mods: ScoreMods, config, interpret=None) -> Callable:
+  """The FlashAttention-2 backward kernels (jaxflash/prefill_backward.py) for `mods` as a
+  `with_backward` backward, sharding-aware (jaxflash.sharding.prefill_backward)."""
+  kernel = functools.partial(prefill_backward.backward_kernels, mods=mods, config=config,
+                             interpret=interpret)
+
+  def backward(q, k, v, options: Options, out, lse, d_out, d_lse):
+    arrays = options.arrays()
+    return sharding.prefill_backward(kernel, q, k, v, options.q_lengths, options.kv_lengths, out,
+                                     lse, d_out, d_lse, **arrays)
+
+  return backward
+
+
+def check_backward_implementation(backward_implementation):
+  if backward_implementation not in BACKWARD_IMPLEMENTATIONS:
+    raise ValueError(f"backward_implementation must be one of {BACKWARD_IMPLEMENTATIONS}, got "
+                     f"{backward_implementation!r}")
+  return backward_implementation
+
+
+def _choose_backward(backward_implementation, *, mods: ScoreMods, head_dim: int, dtype,
+                     config=None, interpret=None) -> Callable:
+  """The backward for this call, chosen at trace time: None and "triton" give the Triton
+  kernels (every GPU, every option, interpretable on a CPU); "mosaic" is reserved for the
+  Mosaic GPU backward. config: a BackwardConfig for the Triton kernels (None: tuned)."""
+  check_backward_implementation(backward_implementation)
+  if backward_implementation == "mosaic":
+    raise NotImplementedError(
+        "backward_implementation='mosaic': the Pallas Mosaic GPU backward is not in this build; "
+        "use backward_implementation=None or 'triton' (the Pallas-Triton backward)")
+  return triton_backward(mods, prefill_backward.resolve_config(config, head_dim, dtype), interpret)
