@@ -32,7 +32,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   `return_residual=True` also the natural-log log-sum-exp [B, T, N] in float32 (it
   includes the sink; padded rows -inf).
 
-  Semantics as jax.nn's (rows it leaves unspecified give zeros here): query t sits at
+  Semantics as jax.nn's (rows it leaves unspecified give zeros here; a row whose visible
+  scores hold a NaN gives NaN, and so do its gradients): query t sits at
   position p = t (`causal_alignment="top_left"`, jax.nn's tril over [T, S]) and the lengths
   are padding masks; `causal_alignment="bottom_right"` puts sequence b's T_b queries at its
   last positions, p = t + S_b - T_b (FlashAttention's convention: caches, chunked prefill).

@@ -236,8 +236,9 @@ def _split_kv_kernel(
         store(lse_ref.at[b, slot, head_rows], sink2, mask=rows < group)
 
   # Normalise once, after the loop (FlashAttention-2 Sec. 3.1). Empty chunks (l = 0) give
-  # zeros and LSE -inf: the combine gives them weight exp2(-inf) = 0.
-  nonempty = l_i > 0.0
+  # zeros and LSE -inf: the combine gives them weight exp2(-inf) = 0. A NaN seen leaves
+  # l = NaN, which `!= 0` keeps, so it reaches the output as jax.nn's does.
+  nonempty = l_i != 0.0
   out = acc / jnp.where(nonempty, l_i, 1.0)[:, None]
   lse2 = jnp.where(nonempty, m_i + jnp.log2(jnp.where(nonempty, l_i, 1.0)), NEG_INF)
   out_mask = mask2d(rows < group, col_ok)
@@ -272,7 +273,7 @@ def chunk_shares(lse2):
 def merge_chunks(share, total, chunks):
   """chunks [S_p, W] the chunks' normalised outputs -> [W], weighted by `chunk_shares`'
   shares (zeros when total is 0)."""
-  return jnp.sum(share[:, None] * chunks, axis=0) / jnp.where(total > 0.0, total, 1.0)
+  return jnp.sum(share[:, None] * chunks, axis=0) / jnp.where(total != 0.0, total, 1.0)
 
 
 COMBINE_BLOCK_H = 32  # head dims per combine program: more, smaller programs finish sooner
@@ -308,7 +309,7 @@ def _combine_kernel(
 
   @pl.when(j == 0)
   def _():
-    lse_ref[b, n] = jnp.where(total > 0.0, (m + jnp.log2(jnp.where(total > 0.0, total, 1.0))) * LN_2,
+    lse_ref[b, n] = jnp.where(total != 0.0, (m + jnp.log2(jnp.where(total != 0.0, total, 1.0))) * LN_2,
                               NEG_INF)
 
 

@@ -130,7 +130,7 @@ def _paged_prefill_kernel(
 
   # Divide once (FlashAttention-2, section 3.1.1). Rows that saw no key, and padding rows
   # past q_len, give exact zeros and an LSE of -inf.
-  attended = row_valid & (l_i > 0.)
+  attended = row_valid & (l_i != 0.)  # NaN (a row that saw a NaN) stays NaN, as in jax.nn
   l_safe = jnp.where(attended, l_i, 1.)
   out = jnp.where(attended[:, None], acc * (1. / l_safe)[:, None], 0.)
   in_bounds = rows < seq_q

@@ -176,8 +176,9 @@ def _prefill_kernel(
   acc, m_i, l_i = carry
 
   # FlashAttention-2 divides once, here. Rows that saw no key (zero keys, or padding
-  # rows past q_len) give exact zeros and an LSE of -inf (the sink with a sink).
-  attended = row_valid & (l_i > 0.)
+  # rows past q_len) give exact zeros and an LSE of -inf (the sink with a sink). A row
+  # that saw a NaN has l = NaN, which `!= 0` keeps: NaN out, as jax.nn gives.
+  attended = row_valid & (l_i != 0.)
   l_safe = jnp.where(attended, l_i, 1.)
   out = jnp.where(attended[:, None], acc * (1. / l_safe)[:, None], 0.)
   in_bounds = None if seq_q % block_q == 0 else rows < seq_q
