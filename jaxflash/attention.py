@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxflash import _checks, configs, sharding
 from jaxflash._triton import use_interpret
@@ -31,6 +32,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   (S = max_pages * page_size). Returns [B, T, N, H] in the query's dtype, and with
   `return_residual=True` also the natural-log log-sum-exp [B, T, N] in float32 (it
   includes the sink; padded rows -inf).
+
+  Bad arguments raise TypeError/ValueError at trace time naming them (`is_causal` must be a
+  bool; head dims up to 256); lengths (in [0, T] and [0, S]) and block-table entries (in
+  [0, num_pages)) are checked where concrete; traced (under jit) they cannot be read and
+  are clamped into those ranges (`jaxflash.paged.block_table_is_valid` checks tables there).
 
   Semantics as jax.nn's (rows it leaves unspecified give zeros here; a row whose visible
   scores hold a NaN gives NaN, and so do its gradients): query t sits at
@@ -83,9 +89,25 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     static_scale = _concrete_scale(scale, query.shape[-1])
   if scale is not None:
     scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
+  _check_concrete_values(query, key, query_seq_lengths, key_value_seq_lengths, block_table)
   return _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
                     block_table, sinks, mods=mods, static_scale=static_scale,
                     return_residual=bool(return_residual), implementation=implementation)
+
+
+def _check_concrete_values(query, key, query_seq_lengths, key_value_seq_lengths, block_table) -> None:
+  """Lengths and table entries, where their values are concrete: inside the jitted
+  `_attention` they are tracers, so they are read here, before it."""
+  if not (hasattr(query, "shape") and hasattr(key, "shape") and query.ndim == key.ndim == 4):
+    return  # unbatched inputs take no lengths; _attention names any other mistake
+  _checks.check_length_values("query_seq_lengths", query_seq_lengths, query.shape[1])
+  if block_table is None:
+    _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths, key.shape[1])
+  elif len(np.shape(block_table)) == 2:
+    num_pages, page_size = key.shape[:2]
+    _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths,
+                                np.shape(block_table)[1] * page_size)
+    _checks.check_table_values(block_table, key_value_seq_lengths, num_pages=num_pages, page_size=page_size)
 
 
 # The prefill kernels `prefill_attention` chooses between (a subset of IMPLEMENTATIONS).
@@ -130,6 +152,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     raise TypeError(f"config is a {type(config).__name__}, which implementation="
                     f"{implementation!r} does not take")
   _checks.check_qkv(query, key, value)
+  _check_concrete_values(query, key, query_seq_lengths, key_value_seq_lengths, None)
+  is_causal = options["is_causal"] = _checks.check_bool("is_causal", is_causal)  # a static argument next
   if implementation != "triton":
     mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                   local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
@@ -146,8 +170,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
 
   from jaxflash.mosaic import prefill_attention as mosaic_prefill
   batch = query.shape[0]
-  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
-  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch, query.shape[1])
+  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, key.shape[1])
   # mosaic_reason let through only what the kernel computes: bottom-right positions (or
   # top-left ones that equal them), no bias, mask, soft-cap or sinks, a concrete scale.
   kernel = functools.partial(mosaic_prefill, scale=_concrete_scale(scale, query.shape[-1]),

@@ -520,7 +520,8 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, bia
 
   query [B, 1, N, H]; k_cache, v_cache [B, S, K, H] (S = capacity) read in place;
   key_value_seq_lengths [B] int32 valid tokens per sequence (None: all S; values are
-  traced, so changing them never recompiles; they are clamped to [0, S]). N must be a
+  traced, so changing them never recompiles; concrete ones outside [0, S] raise ValueError,
+  traced ones, which cannot be read at trace time, are clamped to [0, S]). N must be a
   multiple of K (query head n reads KV head n // (N // K)), any ratio. The query is cast to
   the caches' dtype for the matmuls, which accumulate in fp32. The query sits at position
   length - 1: it sees every valid key unless the options below say otherwise.
@@ -543,6 +544,8 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, bia
   comes back instead (with sinks its last chunk is the sink's), for `jaxflash.project_split_kv`.
   """
   static_scale, traced_scale = _checks.split_scale(scale)
+  if hasattr(k_cache, "shape") and k_cache.ndim == 4:  # concrete lengths: read before the jit
+    _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths, k_cache.shape[1])
   return _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks,
                            scale=static_scale, local_window_size=window_size(local_window_size),
                            logits_soft_cap=soft_cap(logits_soft_cap), num_splits=num_splits,

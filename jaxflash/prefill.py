@@ -238,8 +238,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   batch, seq_q, num_heads, head_dim = query.shape
   seq_kv = key.shape[1]
   _checks.check_same_batch(query, key)
-  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
-  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
+  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, seq_kv)
   scores_shape = (batch, num_heads, seq_q, seq_kv)
   bias = _checks.check_bias(bias, scores_shape)
   mask = _checks.check_mask(mask, scores_shape)
