@@ -3,15 +3,20 @@ and the one registry of attention implementations (`IMPLEMENTATIONS`)."""
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import _checks, configs, sharding
+from jaxflash._types import Array, ArrayLike, AttentionResult, Lengths, Scale, Window
 from jaxflash._triton import use_interpret
 from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods
+
+if TYPE_CHECKING:
+  from jaxflash.mosaic import MosaicPrefillConfig
 
 # None: the best kernel for the device. "triton": the Pallas-Triton kernels ("pallas", the
 # older name, is an alias). "mosaic": the Pallas Mosaic GPU prefill (sm_90). "xla":
@@ -20,10 +25,12 @@ from jaxflash.score_mods import ScoreMods
 IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic", "xla", "cudnn")
 
 
-def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-              block_table=None, return_residual=False, implementation=None,
-              causal_alignment="top_left", logits_soft_cap=None, sinks=None):
+def attention(query: Array, key: Array, value: Array, bias: Array | None = None, mask: Array | None = None,
+              *, scale: Scale = None, is_causal: bool = False, query_seq_lengths: Lengths = None,
+              key_value_seq_lengths: Lengths = None, local_window_size: Window = None,
+              block_table: ArrayLike | None = None, return_residual: bool = False,
+              implementation: str | None = None, causal_alignment: str = "top_left",
+              logits_soft_cap: float | None = None, sinks: Array | None = None) -> AttentionResult:
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s arguments and values.
 
   Shapes: query [B, T, N, H] (or [T, N, H]); key/value [B, S, K, H] (or [S, K, H]) with
@@ -114,11 +121,15 @@ def _check_concrete_values(query, key, query_seq_lengths, key_value_seq_lengths,
 PREFILL_IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic")
 
 
-def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
-                      bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
-                      logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
-                      return_residual=False, implementation=None, config=None,
-                      backward_config=None, interpret: bool | None = None):
+def prefill_attention(query: Array, key: Array, value: Array, query_seq_lengths: Lengths = None,
+                      key_value_seq_lengths: Lengths = None, *, bias: Array | None = None,
+                      mask: Array | None = None, scale: Scale = None, is_causal: bool = False,
+                      local_window_size: Window = None, logits_soft_cap: float | None = None,
+                      sinks: Array | None = None, causal_alignment: str = "bottom_right",
+                      return_residual: bool = False, implementation: str | None = None,
+                      config: configs.PrefillConfig | MosaicPrefillConfig | None = None,
+                      backward_config: configs.BackwardConfig | None = None,
+                      interpret: bool | None = None) -> AttentionResult:
   """The FlashAttention-2 prefill with its forward kernel chosen: the Pallas-Triton kernel
   (`jaxflash.prefill.prefill_attention`: every option, any GPU, interpreted off one) or the
   Pallas Mosaic GPU kernel (`jaxflash.mosaic.prefill_attention`: sm_90). Arguments, values

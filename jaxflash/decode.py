@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import _checks, configs
+from jaxflash._types import Array, DecodeResult, Lengths, Scale, Window
 from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_masked, mask2d, pl, quiet, store,
                               use_interpret)
 from jaxflash.configs import DecodeConfig
@@ -512,10 +513,12 @@ STATIC_ARGNAMES = ("scale", "local_window_size", "logits_soft_cap", "num_splits"
                    "return_partials", "config", "interpret")
 
 
-def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, bias=None, mask=None,
-                     scale=None, local_window_size=None, logits_soft_cap=None, sinks=None,
-                     num_splits=None, return_residual=False, return_partials=False,
-                     config: DecodeConfig | None = None, interpret: bool | None = None):
+def decode_attention(query: Array, k_cache: Array, v_cache: Array, key_value_seq_lengths: Lengths = None, *,
+                     bias: Array | None = None, mask: Array | None = None, scale: Scale = None,
+                     local_window_size: Window = None, logits_soft_cap: float | None = None,
+                     sinks: Array | None = None, num_splits: int | None = None,
+                     return_residual: bool = False, return_partials: bool = False,
+                     config: DecodeConfig | None = None, interpret: bool | None = None) -> DecodeResult:
   """Attention of one new token per sequence over a KV cache, split-KV (Flash-Decoding).
 
   query [B, 1, N, H]; k_cache, v_cache [B, S, K, H] (S = capacity) read in place;

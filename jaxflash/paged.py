@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxflash import _checks, configs
+from jaxflash._types import Array, ArrayLike, DecodeResult, Lengths, Scale, Window
 from jaxflash._triton import load, pl, use_interpret
 from jaxflash.configs import DecodeConfig
 from jaxflash.decode import (STATIC_ARGNAMES, check_decode_query, check_return_flags, decode_options,
@@ -72,10 +73,13 @@ def _paged_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
   return tile_index
 
 
-def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table, *, bias=None,
-                           mask=None, scale=None, local_window_size=None, logits_soft_cap=None, sinks=None,
-                           num_splits=None, return_residual=False, return_partials=False,
-                           config: DecodeConfig | None = None, interpret: bool | None = None):
+def paged_decode_attention(query: Array, k_pages: Array, v_pages: Array, key_value_seq_lengths: ArrayLike,
+                           block_table: ArrayLike, *, bias: Array | None = None, mask: Array | None = None,
+                           scale: Scale = None, local_window_size: Window = None,
+                           logits_soft_cap: float | None = None, sinks: Array | None = None,
+                           num_splits: int | None = None, return_residual: bool = False,
+                           return_partials: bool = False, config: DecodeConfig | None = None,
+                           interpret: bool | None = None) -> DecodeResult:
   """Decode attention over a paged KV cache, split-KV.
 
   query [B, 1, N, H]; k_pages, v_pages [num_pages, page_size, K, H] (page_size a power of
@@ -168,7 +172,8 @@ def block_table_is_valid(block_table, key_value_seq_lengths, *, num_pages: int, 
   return lengths_ok & jnp.all(in_pool | ~read)
 
 
-def paged_kv_write(k_pages, v_pages, block_table, start_positions, k_new, v_new, new_lengths=None):
+def paged_kv_write(k_pages: Array, v_pages: Array, block_table: ArrayLike, start_positions: ArrayLike,
+                   k_new: Array, v_new: Array, new_lengths: Lengths = None) -> tuple[Array, Array]:
   """Writes new tokens into the pool through the block table (plain JAX).
 
   k_new, v_new [B, T, K, H] land at token positions start_positions[b] + t of sequence b:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import _checks, configs
+from jaxflash._types import Array, ArrayLike, AttentionResult, Lengths
 from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, exp2, load_masked, mask2d, pl, quiet,
                               store, use_interpret)
 from jaxflash.configs import PrefillConfig
@@ -148,10 +149,11 @@ def _without_lse(kernel):
   return kernel_without_lse
 
 
-def paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table,
-                            query_seq_lengths=None, *, scale=None, is_causal=True,
-                            return_residual=False, config: PrefillConfig | None = None,
-                            interpret: bool | None = None):
+def paged_prefill_attention(query: Array, k_pages: Array, v_pages: Array, key_value_seq_lengths: ArrayLike,
+                            block_table: ArrayLike, query_seq_lengths: Lengths = None, *,
+                            scale: float | None = None, is_causal: bool = True,
+                            return_residual: bool = False, config: PrefillConfig | None = None,
+                            interpret: bool | None = None) -> AttentionResult:
   """FlashAttention-2 forward pass for new tokens over a paged KV cache.
 
   query [B, T, N, H]: T_b = query_seq_lengths[b] new tokens of sequence b (default T; rows
