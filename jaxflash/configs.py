@@ -176,7 +176,8 @@ def prefill_config(head_dim: int, dtype: DTypeLike, info: DeviceInfo | None = No
   return _first_fit([*table, *_PREFILL_LAST], head_dim, itemsize, info, "prefill")
 
 
-def decode_config(head_dim: int, dtype: DTypeLike, info: DeviceInfo | None = None, *, paged: bool = False) -> DecodeConfig:
+def decode_config(head_dim: int, dtype: DTypeLike, info: DeviceInfo | None = None, *,
+                  paged: bool = False) -> DecodeConfig:
   """The tuned decode (or paged decode) config for this head dim and dtype on `info`."""
   info = info or device_info()
   itemsize = jnp.dtype(dtype).itemsize

@@ -170,8 +170,8 @@ def paged_prefill_attention(query: Array, k_pages: Array, v_pages: Array, key_va
   cannot be: lengths are then clamped and a table entry outside [0, num_pages) is clamped
   into it (`jaxflash.paged.block_table_is_valid` checks tables under jit). Returns out
   [B, T, N, H] in the query's dtype, and with `return_residual` also the natural-log LSE
-  [B, T, N] float32. config: tiles, warps and stages (default `jaxflash.prefill_config(H, dtype)`); interpret as for
-  `prefill_attention`.
+  [B, T, N] float32. config: tiles, warps and stages (default
+  `jaxflash.prefill_config(H, dtype)`); interpret as for `prefill_attention`.
   """
   is_causal = _checks.check_bool("is_causal", is_causal)  # static in the jit: hashed first
   if len(np.shape(block_table)) == 2 and len(np.shape(k_pages)) == 4:  # read before the jit

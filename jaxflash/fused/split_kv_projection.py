@@ -85,8 +85,8 @@ def _check(split: SplitKV, w):
 
 
 @functools.partial(jax.jit, static_argnames=("merged_dtype", "return_partials", "interpret"))
-def project_split_kv(split: SplitKV, w: jax.Array, *, merged_dtype: DTypeLike | None = None, return_partials: bool = False,
-                     interpret: bool | None = None) -> jax.Array:
+def project_split_kv(split: SplitKV, w: jax.Array, *, merged_dtype: DTypeLike | None = None,
+                     return_partials: bool = False, interpret: bool | None = None) -> jax.Array:
   """merge(split) @ w: the decode attention's output [B, 1, N * H] times w [N * H, D].
 
   split: `decode_attention(..., return_partials=True)` or its paged twin. Each head is merged

@@ -416,8 +416,9 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_
 
   Greedy when temperature == 0, else sampled with temperature and optional top-k / top-p
   from `jax.random.key(seed)`; the three are data to the compiled steps, so new values
-  never recompile (one compilation per prompt bucket). A sequence stops after its EOS token, which is included in
-  its output; eos_token_id None means the config's EOS ids (pass () to never stop early).
+  never recompile (one compilation per prompt bucket). A sequence stops after its EOS
+  token, which is included in its output; eos_token_id None means the config's EOS ids
+  (pass () to never stop early).
   cache: "paged" (page_size tokens a page; num_pages default: enough for every sequence)
   or "contiguous". stream(step_tokens) is called as tokens arrive with one entry per
   prompt (None once that prompt has finished); returning exactly `True` (checked with `is
