@@ -187,3 +187,24 @@ def test_train_save_writes_a_checkpoint(tmp_path):
   before = np.asarray(initial.embedder.embedding[...])
   after = np.asarray(loaded.embedder.embedding[...])
   assert before.shape == after.shape and not np.array_equal(before, after)
+
+
+def test_requests_file_skips_bad_lines_and_keeps_their_numbers(tmp_path, capsys):
+  """models/serving/demo.py promises a bad line is reported and skipped: not JSON, no
+  prompt, a setting of the wrong type ("max_new_tokens": "ten"). The good lines keep their
+  line numbers, by which results and refusals are printed."""
+  from models.serving.demo import read_requests
+  path = tmp_path / "requests.jsonl"
+  path.write_text('"first"\n{not json\n\n{"prompt": "x", "max_new_tokens": "ten"}\n{"text": "no prompt"}\n'
+                  '{"prompt": "last", "temperature": 0.5, "top_k": 3}\n')
+  requests = read_requests(str(path))
+  assert [number for number, _ in requests] == [1, 6]
+  assert requests[1][1] == {"prompt": "last", "temperature": 0.5, "top_k": 3}
+  err = capsys.readouterr().err.splitlines()
+  assert [line.split(":")[1] for line in err] == ["2", "4", "5"], err
+  assert "max_new_tokens='ten'" in err[1]
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("{bad\n")
+  with pytest.raises(SystemExit) as exit_info:
+    read_requests(str(empty))
+  assert exit_info.value.code == 2
