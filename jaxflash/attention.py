@@ -46,7 +46,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   are clamped into those ranges (`jaxflash.paged.block_table_is_valid` checks tables there).
 
   Semantics as jax.nn's (rows it leaves unspecified give zeros here; a row whose visible
-  scores hold a NaN gives NaN, and so do its gradients): query t sits at
+  scores hold a NaN gives NaN, and so do its gradients; finite logits of any size, ~1e9
+  included, give finite results, the LSE within float32's rounding of the scores, about
+  1e-6 of the largest sum_h |q_h k_h| * scale): query t sits at
   position p = t (`causal_alignment="top_left"`, jax.nn's tril over [T, S]) and the lengths
   are padding masks; `causal_alignment="bottom_right"` puts sequence b's T_b queries at its
   last positions, p = t + S_b - T_b (FlashAttention's convention: caches, chunked prefill).
