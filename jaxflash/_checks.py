@@ -2,10 +2,13 @@
 offending argument and its shape, so a mistake surfaces before any kernel is built."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# The kernels hold a query block's head dim in registers (padded to a power of two).
+MAX_HEAD_DIM = 256
 
 
 def _describe(x) -> str:
@@ -34,6 +37,9 @@ def check_qkv(query, key, value, *, key_name: str = "key", value_name: str = "va
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(f"query and {key_name} must have the same head dim, got query "
                      f"{tuple(query.shape)} and {key_name} {tuple(key.shape)}")
+  if query.shape[-1] > MAX_HEAD_DIM:
+    raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got query {tuple(query.shape)} "
+                     f"(head dim {query.shape[-1]})")
   n, k = query.shape[2], key.shape[2]
   if k == 0 or n % k:
     raise ValueError(f"query heads ({n}) must be a multiple of {key_name} heads ({k}): query "
@@ -47,8 +53,14 @@ def check_same_batch(query, key, key_name: str = "key") -> None:
                      f"{tuple(query.shape)} and {key_name} {tuple(key.shape)}")
 
 
-def check_lengths(name: str, lengths, batch: int):
-  """lengths: integer [batch]; returned as int32 (None stays None)."""
+def is_concrete(x) -> bool:
+  """True where x's values can be read now (not a tracer under jit, grad or vmap)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_lengths(name: str, lengths, batch: int, limit: int | None = None):
+  """lengths: integer [batch]; returned as int32 (None stays None). With `limit`, concrete
+  values must lie in [0, limit] (see `check_length_values`)."""
   if lengths is None:
     return None
   if not hasattr(lengths, "dtype"):
@@ -57,7 +69,47 @@ def check_lengths(name: str, lengths, batch: int):
     raise TypeError(f"{name} must be an integer array of shape ({batch},), got {_describe(lengths)}")
   if tuple(lengths.shape) != (batch,):
     raise ValueError(f"{name} must have shape ({batch},) (one length per sequence), got {_describe(lengths)}")
+  if limit is not None:
+    check_length_values(name, lengths, limit)
   return lengths.astype(jnp.int32)
+
+
+def check_length_values(name: str, lengths, limit: int) -> None:
+  """Concrete lengths must lie in [0, limit]. Traced ones cannot be read at trace time: the
+  kernels clamp them to [0, limit] (a negative length is 0, one past the end is the end)."""
+  if lengths is None or not is_concrete(lengths):
+    return
+  values = np.asarray(lengths)
+  bad = values[(values < 0) | (values > limit)]
+  if bad.size:
+    raise ValueError(f"{name} must lie in [0, {limit}], got {bad[:4].tolist()} in {name} of shape "
+                     f"{tuple(values.shape)}")
+
+
+def check_table_values(block_table, lengths, *, num_pages: int, page_size: int) -> None:
+  """Concrete block-table entries that the lengths make the kernels read must lie in
+  [0, num_pages). Traced ones cannot be read at trace time: the kernels clamp them into the
+  pool (`jaxflash.paged.block_table_is_valid` checks them under jit)."""
+  if not (is_concrete(block_table) and is_concrete(lengths)) or lengths is None:
+    return
+  table, lengths = np.asarray(block_table), np.asarray(lengths)
+  if table.ndim != 2 or lengths.shape != table.shape[:1]:
+    return  # the shape checks name it
+  pages_read = (np.clip(lengths, 0, table.shape[1] * page_size) + page_size - 1) // page_size  # [B]
+  read = np.arange(table.shape[1])[None, :] < pages_read[:, None]  # [B, max_pages]
+  bad = np.argwhere(read & ((table < 0) | (table >= num_pages)))
+  if bad.size:
+    b, j = bad[0]
+    raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} lies outside the pool of {num_pages} pages "
+                     f"(block_table of shape {tuple(table.shape)}): entries within a sequence's length "
+                     f"must lie in [0, {num_pages})")
+
+
+def check_bool(name: str, flag) -> bool:
+  """A Python or NumPy bool (a string or an array is a mistake, not a flag)."""
+  if not isinstance(flag, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+  return bool(flag)
 
 
 def check_block_table(block_table, batch: int):

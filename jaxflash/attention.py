@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxflash import _checks, configs, segments, sharding, vjp
+from jaxflash._types import Array, ArrayLike, AttentionResult, Lengths, Scale, Window
 from jaxflash._triton import use_interpret
 from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods
+
+if TYPE_CHECKING:
+  from jaxflash.mosaic import MosaicPrefillConfig
 
 # None: the best kernel for the device. "triton": the Pallas-Triton kernels ("pallas", the
 # older name, is an alias). "mosaic": the Pallas Mosaic GPU prefill (sm_90). "xla":
@@ -20,11 +26,14 @@ from jaxflash.score_mods import ScoreMods
 IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic", "xla", "cudnn")
 
 
-def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-              block_table=None, return_residual=False, implementation=None,
-              causal_alignment="top_left", logits_soft_cap=None, sinks=None,
-              segment_ids=None, kv_segment_ids=None, backward_implementation=None):
+def attention(query: Array, key: Array, value: Array, bias: Array | None = None, mask: Array | None = None,
+              *, scale: Scale = None, is_causal: bool = False, query_seq_lengths: Lengths = None,
+              key_value_seq_lengths: Lengths = None, local_window_size: Window = None,
+              block_table: ArrayLike | None = None, return_residual: bool = False,
+              implementation: str | None = None, causal_alignment: str = "top_left",
+              logits_soft_cap: float | None = None, sinks: Array | None = None,
+              segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
+              backward_implementation: str | None = None) -> AttentionResult:
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s arguments and values.
 
   Shapes: query [B, T, N, H] (or [T, N, H]); key/value [B, S, K, H] (or [S, K, H]) with
@@ -34,7 +43,15 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   `return_residual=True` also the natural-log log-sum-exp [B, T, N] in float32 (it
   includes the sink; padded rows -inf).
 
-  Semantics as jax.nn's (rows it leaves unspecified give zeros here): query t sits at
+  Bad arguments raise TypeError/ValueError at trace time naming them (`is_causal` must be a
+  bool; head dims up to 256); lengths (in [0, T] and [0, S]) and block-table entries (in
+  [0, num_pages)) are checked where concrete; traced (under jit) they cannot be read and
+  are clamped into those ranges (`jaxflash.paged.block_table_is_valid` checks tables there).
+
+  Semantics as jax.nn's (rows it leaves unspecified give zeros here; a row whose visible
+  scores hold a NaN gives NaN, and so do its gradients; finite logits of any size, ~1e9
+  included, give finite results, the LSE within float32's rounding of the scores, about
+  1e-6 of the largest sum_h |q_h k_h| * scale): query t sits at
   position p = t (`causal_alignment="top_left"`, jax.nn's tril over [T, S]) and the lengths
   are padding masks; `causal_alignment="bottom_right"` puts sequence b's T_b queries at its
   last positions, p = t + S_b - T_b (FlashAttention's convention: caches, chunked prefill).
@@ -97,6 +114,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     static_scale = _concrete_scale(scale, query.shape[-1])
   if scale is not None:
     scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
+  _check_concrete_values(query, key, query_seq_lengths, key_value_seq_lengths, block_table)
   return _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_value_seq_lengths,
                     block_table, sinks, segment_ids, kv_segment_ids, mods=mods,
                     static_scale=static_scale,
@@ -104,17 +122,36 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                     backward_implementation=backward_implementation)
 
 
+def _check_concrete_values(query, key, query_seq_lengths, key_value_seq_lengths, block_table) -> None:
+  """Lengths and table entries, where their values are concrete: inside the jitted
+  `_attention` they are tracers, so they are read here, before it."""
+  if not (hasattr(query, "shape") and hasattr(key, "shape") and query.ndim == key.ndim == 4):
+    return  # unbatched inputs take no lengths; _attention names any other mistake
+  _checks.check_length_values("query_seq_lengths", query_seq_lengths, query.shape[1])
+  if block_table is None:
+    _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths, key.shape[1])
+  elif len(np.shape(block_table)) == 2:
+    num_pages, page_size = key.shape[:2]
+    _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths,
+                                np.shape(block_table)[1] * page_size)
+    _checks.check_table_values(block_table, key_value_seq_lengths, num_pages=num_pages, page_size=page_size)
+
+
 # The prefill kernels `prefill_attention` chooses between (a subset of IMPLEMENTATIONS).
 PREFILL_IMPLEMENTATIONS = (None, "triton", "pallas", "mosaic")
 
 
-def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
-                      bias=None, mask=None, scale=None, is_causal=False, local_window_size=None,
-                      logits_soft_cap=None, sinks=None, causal_alignment="bottom_right",
-                      segment_ids=None, kv_segment_ids=None,
-                      return_residual=False, implementation=None, config=None,
-                      backward_config=None, backward_implementation=None,
-                      interpret: bool | None = None):
+def prefill_attention(query: Array, key: Array, value: Array, query_seq_lengths: Lengths = None,
+                      key_value_seq_lengths: Lengths = None, *, bias: Array | None = None,
+                      mask: Array | None = None, scale: Scale = None, is_causal: bool = False,
+                      local_window_size: Window = None, logits_soft_cap: float | None = None,
+                      sinks: Array | None = None, causal_alignment: str = "bottom_right",
+                      segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
+                      return_residual: bool = False, implementation: str | None = None,
+                      config: configs.PrefillConfig | MosaicPrefillConfig | None = None,
+                      backward_config: configs.BackwardConfig | None = None,
+                      backward_implementation: str | None = None,
+                      interpret: bool | None = None) -> AttentionResult:
   """The FlashAttention-2 prefill with its forward kernel chosen: the Pallas-Triton kernel
   (`jaxflash.prefill.prefill_attention`: every option, any GPU, interpreted off one) or the
   Pallas Mosaic GPU kernel (`jaxflash.mosaic.prefill_attention`: sm_90). Arguments, values
@@ -151,6 +188,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     raise TypeError(f"config is a {type(config).__name__}, which implementation="
                     f"{implementation!r} does not take")
   _checks.check_qkv(query, key, value)
+  _check_concrete_values(query, key, query_seq_lengths, key_value_seq_lengths, None)
+  is_causal = options["is_causal"] = _checks.check_bool("is_causal", is_causal)  # a static argument next
   if implementation != "triton":
     mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                   local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
@@ -169,8 +208,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
 
   from jaxflash.mosaic import prefill_attention as mosaic_prefill
   batch = query.shape[0]
-  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
-  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch, query.shape[1])
+  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, key.shape[1])
   segment_ids, kv_segment_ids = segments.check_segment_ids(segment_ids, kv_segment_ids, batch,
                                                            query.shape[1], key.shape[1])
   # mosaic_reason let through only what the kernel computes: bottom-right positions (or

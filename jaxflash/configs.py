@@ -22,6 +22,7 @@ import math
 
 import jax.numpy as jnp
 
+from jaxflash._types import DTypeLike
 from jaxflash.device import DeviceInfo, device_info
 
 RESERVE_BYTES = 2 * 1024
@@ -166,7 +167,7 @@ def resolve(config, expected: type, default, head_dim: int, dtype, argument: str
   return config
 
 
-def prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> PrefillConfig:
+def prefill_config(head_dim: int, dtype: DTypeLike, info: DeviceInfo | None = None) -> PrefillConfig:
   """The tuned prefill config for this head dim and dtype on `info` (default: this GPU)."""
   info = info or device_info()
   itemsize = jnp.dtype(dtype).itemsize
@@ -175,7 +176,8 @@ def prefill_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> Pref
   return _first_fit([*table, *_PREFILL_LAST], head_dim, itemsize, info, "prefill")
 
 
-def decode_config(head_dim: int, dtype, info: DeviceInfo | None = None, *, paged: bool = False) -> DecodeConfig:
+def decode_config(head_dim: int, dtype: DTypeLike, info: DeviceInfo | None = None, *,
+                  paged: bool = False) -> DecodeConfig:
   """The tuned decode (or paged decode) config for this head dim and dtype on `info`."""
   info = info or device_info()
   itemsize = jnp.dtype(dtype).itemsize
@@ -296,7 +298,7 @@ _BACKWARD_FP32 = [B(32, 64, 4, 2), B(16, 32, 4, 2), B(16, 16, 4, 1)]
 _BACKWARD_LAST = [B(16, 32, 4, 2), B(16, 16, 4, 1)]
 
 
-def backward_config(head_dim: int, dtype, info: DeviceInfo | None = None) -> BackwardConfig:
+def backward_config(head_dim: int, dtype: DTypeLike, info: DeviceInfo | None = None) -> BackwardConfig:
   """The tuned backward config for this head dim and dtype on `info` (default: this GPU)."""
   info = info or device_info()
   itemsize = jnp.dtype(dtype).itemsize

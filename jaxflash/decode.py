@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflash import _checks, configs
+from jaxflash._types import Array, DecodeResult, Lengths, Scale, Window
 from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_masked, mask2d, pl, quiet, store,
                               use_interpret)
 from jaxflash._util import dot_precision
@@ -237,8 +238,9 @@ def _split_kv_kernel(
         store(lse_ref.at[b, slot, head_rows], sink2, mask=rows < group)
 
   # Normalise once, after the loop (FlashAttention-2 Sec. 3.1). Empty chunks (l = 0) give
-  # zeros and LSE -inf: the combine gives them weight exp2(-inf) = 0.
-  nonempty = l_i > 0.0
+  # zeros and LSE -inf: the combine gives them weight exp2(-inf) = 0. A NaN seen leaves
+  # l = NaN, which `!= 0` keeps, so it reaches the output as jax.nn's does.
+  nonempty = l_i != 0.0
   out = acc / jnp.where(nonempty, l_i, 1.0)[:, None]
   lse2 = jnp.where(nonempty, m_i + jnp.log2(jnp.where(nonempty, l_i, 1.0)), NEG_INF)
   out_mask = mask2d(rows < group, col_ok)
@@ -273,7 +275,7 @@ def chunk_shares(lse2):
 def merge_chunks(share, total, chunks):
   """chunks [S_p, W] the chunks' normalised outputs -> [W], weighted by `chunk_shares`'
   shares (zeros when total is 0)."""
-  return jnp.sum(share[:, None] * chunks, axis=0) / jnp.where(total > 0.0, total, 1.0)
+  return jnp.sum(share[:, None] * chunks, axis=0) / jnp.where(total != 0.0, total, 1.0)
 
 
 COMBINE_BLOCK_H = 32  # head dims per combine program: more, smaller programs finish sooner
@@ -309,7 +311,7 @@ def _combine_kernel(
 
   @pl.when(j == 0)
   def _():
-    lse_ref[b, n] = jnp.where(total > 0.0, (m + jnp.log2(jnp.where(total > 0.0, total, 1.0))) * LN_2,
+    lse_ref[b, n] = jnp.where(total != 0.0, (m + jnp.log2(jnp.where(total != 0.0, total, 1.0))) * LN_2,
                               NEG_INF)
 
 
@@ -511,15 +513,18 @@ STATIC_ARGNAMES = ("scale", "local_window_size", "logits_soft_cap", "num_splits"
                    "return_partials", "config", "interpret")
 
 
-def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, bias=None, mask=None,
-                     scale=None, local_window_size=None, logits_soft_cap=None, sinks=None,
-                     num_splits=None, return_residual=False, return_partials=False,
-                     config: DecodeConfig | None = None, interpret: bool | None = None):
+def decode_attention(query: Array, k_cache: Array, v_cache: Array, key_value_seq_lengths: Lengths = None, *,
+                     bias: Array | None = None, mask: Array | None = None, scale: Scale = None,
+                     local_window_size: Window = None, logits_soft_cap: float | None = None,
+                     sinks: Array | None = None, num_splits: int | None = None,
+                     return_residual: bool = False, return_partials: bool = False,
+                     config: DecodeConfig | None = None, interpret: bool | None = None) -> DecodeResult:
   """Attention of one new token per sequence over a KV cache, split-KV (Flash-Decoding).
 
   query [B, 1, N, H]; k_cache, v_cache [B, S, K, H] (S = capacity) read in place;
   key_value_seq_lengths [B] int32 valid tokens per sequence (None: all S; values are
-  traced, so changing them never recompiles; they are clamped to [0, S]). N must be a
+  traced, so changing them never recompiles; concrete ones outside [0, S] raise ValueError,
+  traced ones, which cannot be read at trace time, are clamped to [0, S]). N must be a
   multiple of K (query head n reads KV head n // (N // K)), any ratio. The query is cast to
   the caches' dtype for the matmuls, which accumulate in fp32. The query sits at position
   length - 1: it sees every valid key unless the options below say otherwise.
@@ -542,6 +547,8 @@ def decode_attention(query, k_cache, v_cache, key_value_seq_lengths=None, *, bia
   comes back instead (with sinks its last chunk is the sink's), for `jaxflash.project_split_kv`.
   """
   static_scale, traced_scale = _checks.split_scale(scale)
+  if hasattr(k_cache, "shape") and k_cache.ndim == 4:  # concrete lengths: read before the jit
+    _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths, k_cache.shape[1])
   return _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks,
                            scale=static_scale, local_window_size=window_size(local_window_size),
                            logits_soft_cap=soft_cap(logits_soft_cap), num_splits=num_splits,

@@ -23,7 +23,7 @@ def option_grads(query, dq, lse, delta_parts, *, bias, sinks, scale, ds):
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
     if d_lse is not None:
       delta = delta - d_lse.astype(jnp.float32)
-    finite = jnp.isfinite(lse)  # padded rows (-inf) have no sink term
+    finite = lse != -jnp.inf  # padded rows (-inf) have no sink term; NaN stays NaN
     p_sink = jnp.where(finite, jnp.exp(sinks[None, None, :] - jnp.where(finite, lse, 0.)), 0.)
     d_sinks = -jnp.sum(p_sink * delta, axis=(0, 1))
   scale = jnp.asarray(scale, jnp.float32)

@@ -22,9 +22,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxflash import _checks, configs
+from jaxflash._types import Array, ArrayLike, DecodeResult, Lengths, Scale, Window
 from jaxflash._triton import load, pl, use_interpret
 from jaxflash.configs import DecodeConfig
 from jaxflash.decode import (STATIC_ARGNAMES, check_decode_query, check_return_flags, decode_options,
@@ -71,22 +73,27 @@ def _paged_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
   return tile_index
 
 
-def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table, *, bias=None,
-                           mask=None, scale=None, local_window_size=None, logits_soft_cap=None, sinks=None,
-                           num_splits=None, return_residual=False, return_partials=False,
-                           config: DecodeConfig | None = None, interpret: bool | None = None):
+def paged_decode_attention(query: Array, k_pages: Array, v_pages: Array, key_value_seq_lengths: ArrayLike,
+                           block_table: ArrayLike, *, bias: Array | None = None, mask: Array | None = None,
+                           scale: Scale = None, local_window_size: Window = None,
+                           logits_soft_cap: float | None = None, sinks: Array | None = None,
+                           num_splits: int | None = None, return_residual: bool = False,
+                           return_partials: bool = False, config: DecodeConfig | None = None,
+                           interpret: bool | None = None) -> DecodeResult:
   """Decode attention over a paged KV cache, split-KV.
 
   query [B, 1, N, H]; k_pages, v_pages [num_pages, page_size, K, H] (page_size a power of
   two from 8, read in place); key_value_seq_lengths [B] int32 (traced: changing them never
-  recompiles; clamped to [0, max_pages * page_size]); block_table [B, max_pages] int32,
+  recompiles; concrete ones outside [0, max_pages * page_size] raise ValueError, traced
+  ones are clamped to it); block_table [B, max_pages] int32,
   logical page j of sequence b -> physical page. Only the entries of pages holding a key
   the query sees are read (with a window, pages wholly before it are not); pages may be
   shared between sequences.
 
-  A table entry outside [0, num_pages) is clamped into that range: the kernel never reads
-  outside the pool, but that sequence's result is computed from a wrong page. Check tables
-  with `block_table_is_valid` where that matters.
+  A concrete table entry that is read and lies outside [0, num_pages) raises ValueError.
+  Under jit entries cannot be read at trace time: one outside is clamped into that range
+  (the kernel never reads outside the pool), but that sequence's result is computed from a
+  wrong page. Check traced tables with `block_table_is_valid` where that matters.
 
   Options as in `decode_attention`, with S = max_pages * page_size: bias and mask
   broadcast to [B, N, 1, S] in logical token positions (position t of sequence b, wherever
@@ -97,6 +104,12 @@ def paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block
   `decode_attention`.
   """
   static_scale, traced_scale = _checks.split_scale(scale)
+  if hasattr(k_pages, "shape") and k_pages.ndim == 4 and len(np.shape(block_table)) == 2:
+    # Concrete lengths and table entries: read before the jit, where they become tracers.
+    num_pages, page_size = k_pages.shape[:2]
+    _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths,
+                                np.shape(block_table)[1] * page_size)
+    _checks.check_table_values(block_table, key_value_seq_lengths, num_pages=num_pages, page_size=page_size)
   return _paged_decode_attention(
       query, k_pages, v_pages, key_value_seq_lengths, block_table, bias, mask, traced_scale, sinks,
       scale=static_scale, local_window_size=window_size(local_window_size),
@@ -159,7 +172,8 @@ def block_table_is_valid(block_table, key_value_seq_lengths, *, num_pages: int, 
   return lengths_ok & jnp.all(in_pool | ~read)
 
 
-def paged_kv_write(k_pages, v_pages, block_table, start_positions, k_new, v_new, new_lengths=None):
+def paged_kv_write(k_pages: Array, v_pages: Array, block_table: ArrayLike, start_positions: ArrayLike,
+                   k_new: Array, v_new: Array, new_lengths: Lengths = None) -> tuple[Array, Array]:
   """Writes new tokens into the pool through the block table (plain JAX).
 
   k_new, v_new [B, T, K, H] land at token positions start_positions[b] + t of sequence b:

@@ -22,11 +22,13 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxflash import _checks, configs
 from jaxflash._triton import (APPROX_EXP2, LN_2, LOG2_E, CompilerParams, block_size, dot, exp2,
                               load_masked, mask2d, pl, quiet, store, use_interpret)
 from jaxflash._util import dot_precision
+from jaxflash._types import Array, ArrayLike, AttentionResult, Lengths
 from jaxflash.configs import PrefillConfig
 from jaxflash.paged import _paged_tile
 from jaxflash.prefill import resolve_config
@@ -131,7 +133,7 @@ def _paged_prefill_kernel(
 
   # Divide once (FlashAttention-2, section 3.1.1). Rows that saw no key, and padding rows
   # past q_len, give exact zeros and an LSE of -inf.
-  attended = row_valid & (l_i > 0.)
+  attended = row_valid & (l_i != 0.)  # NaN (a row that saw a NaN) stays NaN, as in jax.nn
   l_safe = jnp.where(attended, l_i, 1.)
   out = jnp.where(attended[:, None], acc * (1. / l_safe)[:, None], 0.)
   in_bounds = rows < seq_q
@@ -148,12 +150,11 @@ def _without_lse(kernel):
   return kernel_without_lse
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "is_causal", "return_residual", "config", "interpret"))
-def paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table,
-                            query_seq_lengths=None, *, scale=None, is_causal=True,
-                            return_residual=False, config: PrefillConfig | None = None,
-                            interpret: bool | None = None):
+def paged_prefill_attention(query: Array, k_pages: Array, v_pages: Array, key_value_seq_lengths: ArrayLike,
+                            block_table: ArrayLike, query_seq_lengths: Lengths = None, *,
+                            scale: float | None = None, is_causal: bool = True,
+                            return_residual: bool = False, config: PrefillConfig | None = None,
+                            interpret: bool | None = None) -> AttentionResult:
   """FlashAttention-2 forward pass for new tokens over a paged KV cache.
 
   query [B, T, N, H]: T_b = query_seq_lengths[b] new tokens of sequence b (default T; rows
@@ -166,12 +167,31 @@ def paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
   pages may be shared). `is_causal` (default True) aligns the diagonal bottom-right: query
   t sees keys s <= t + kv_len_b - T_b. Lengths and tables are data: they never recompile.
 
-  A table entry outside [0, num_pages) is clamped into it (`jaxflash.paged.
-  block_table_is_valid` checks tables). Returns out [B, T, N, H] in the query's dtype, and
-  with `return_residual` also the natural-log LSE [B, T, N] float32. config: tiles, warps
-  and stages (default `jaxflash.prefill_config(H, dtype)`); interpret as for
-  `prefill_attention`.
+  Concrete lengths and table entries are checked (ValueError); traced ones (under jit)
+  cannot be: lengths are then clamped and a table entry outside [0, num_pages) is clamped
+  into it (`jaxflash.paged.block_table_is_valid` checks tables under jit). Returns out
+  [B, T, N, H] in the query's dtype, and with `return_residual` also the natural-log LSE
+  [B, T, N] float32. config: tiles, warps and stages (default
+  `jaxflash.prefill_config(H, dtype)`); interpret as for `prefill_attention`.
   """
+  is_causal = _checks.check_bool("is_causal", is_causal)  # static in the jit: hashed first
+  if len(np.shape(block_table)) == 2 and len(np.shape(k_pages)) == 4:  # read before the jit
+    num_pages, page_size = np.shape(k_pages)[:2]
+    _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths,
+                                np.shape(block_table)[1] * page_size)
+    _checks.check_table_values(block_table, key_value_seq_lengths, num_pages=num_pages, page_size=page_size)
+    _checks.check_length_values("query_seq_lengths", query_seq_lengths, np.shape(query)[1])
+  return _paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table,
+                                  query_seq_lengths, scale=scale, is_causal=is_causal,
+                                  return_residual=return_residual, config=config, interpret=interpret)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "is_causal", "return_residual", "config", "interpret"))
+def _paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table,
+                             query_seq_lengths=None, *, scale=None, is_causal=True,
+                             return_residual=False, config: PrefillConfig | None = None,
+                             interpret: bool | None = None):
   _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages")
   batch, seq_q, num_heads, head_dim = query.shape
   num_pages, page_size, kv_heads, _ = k_pages.shape
@@ -182,6 +202,7 @@ def paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
                      "sequence, the new tokens included")
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
+  is_causal = _checks.check_bool("is_causal", is_causal)
   if q_lengths is None:
     q_lengths = jnp.full((batch,), seq_q, jnp.int32)
   if num_pages == 0:

@@ -165,8 +165,9 @@ def _prefill_kernel(
   acc, m_i, l_i = carry
 
   # FlashAttention-2 divides once, here. Rows that saw no key (zero keys, or padding
-  # rows past q_len) give exact zeros and an LSE of -inf (the sink with a sink).
-  attended = row_valid & (l_i > 0.)
+  # rows past q_len) give exact zeros and an LSE of -inf (the sink with a sink). A row
+  # that saw a NaN has l = NaN, which `!= 0` keeps: NaN out, as jax.nn gives.
+  attended = row_valid & (l_i != 0.)
   l_safe = jnp.where(attended, l_i, 1.)
   out = jnp.where(attended[:, None], acc * (1. / l_safe)[:, None], 0.)
   in_bounds = None if seq_q % block_q == 0 else rows < seq_q
@@ -229,8 +230,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   batch, seq_q, num_heads, head_dim = query.shape
   seq_kv = key.shape[1]
   _checks.check_same_batch(query, key)
-  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
-  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
+  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, seq_kv)
   scores_shape = (batch, num_heads, seq_q, seq_kv)
   bias = _checks.check_bias(bias, scores_shape)
   mask = _checks.check_mask(mask, scores_shape)

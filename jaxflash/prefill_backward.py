@@ -199,6 +199,8 @@ def _dkdv_kernel(
     dv = dv + dot(p_t.astype(compute_dtype), do, **dot_kwargs)
     dp_t = dot(v, do, trans_b=True, **dot_kwargs)  # [block_k, block_q]
     ds_t = score_mods.scores_grad(mods, p_t * (dp_t - delta[None, :]), s_t)
+    if ok is not None:  # a NaN row's delta would reach hidden keys as 0 * NaN; jax.nn's do not
+      ds_t = jnp.where(ok, ds_t, 0.)
     dk = dk + dot(ds_t.astype(compute_dtype), q, **dot_kwargs)
     return dk, dv
 
@@ -316,6 +318,8 @@ def _dq_kernel(
       p = jnp.where(ok, p, 0.)
     dp = dot(do, v, trans_b=True, **dot_kwargs)  # [block_q, block_k]
     ds = score_mods.scores_grad(mods, p * (dp - delta[:, None]), s)
+    if ok is not None:  # a NaN row's delta would reach hidden keys as 0 * NaN; jax.nn's do not
+      ds = jnp.where(ok, ds, 0.)
     if ds_ref is not None:
       _store_ds(ds_ref, ds, kv_start, block_k, in_rows, seq_kv)
     return dq + dot(ds.astype(compute_dtype), k, **dot_kwargs)
@@ -399,7 +403,7 @@ def backward_kernels(query, key, value, q_lengths, kv_lengths, out, lse, d_out, 
   # O in the transposed order (60 us at n = 4096 on the H200, the whole pass's time).
   delta = lax.optimization_barrier(delta).transpose(0, 2, 1)
   lse2 = lse.astype(jnp.float32).transpose(0, 2, 1)
-  attended = jnp.isfinite(lse2)
+  attended = lse2 != -jnp.inf  # NaN (a row that saw a NaN) stays NaN: NaN gradients, as jax.nn's
   lse2 = jnp.where(attended, lse2 * LOG2_E, jnp.inf)
   delta = jnp.where(attended, delta, 0.)  # whatever d_out holds on rows that attend to nothing
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxflash._types import Array, ArrayLike, Lengths, Window
+
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
 
@@ -46,10 +48,13 @@ def visible_keys(batch: int, seq_q: int, seq_kv: int, *, is_causal: bool = False
   return visible
 
 
-def attention_reference(query, key, value, bias=None, mask=None, *, scale: float,
-                        is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
-                        local_window_size=None, logits_soft_cap=None, sinks=None,
-                        causal_alignment: str = "bottom_right", segment_ids=None, kv_segment_ids=None):
+def attention_reference(query: Array, key: Array, value: Array, bias: Array | None = None,
+                        mask: Array | None = None, *, scale: float | Array, is_causal: bool = False,
+                        query_seq_lengths: Lengths = None, key_value_seq_lengths: Lengths = None,
+                        local_window_size: Window = None, logits_soft_cap: float | None = None,
+                        sinks: Array | None = None, causal_alignment: str = "bottom_right",
+                        segment_ids: Array | None = None, kv_segment_ids: Array | None = None
+                        ) -> tuple[Array, Array]:
   """query [B, T, N, H], key/value [B, S, K, H] (N a multiple of K), bias/mask broadcastable to
   [B, N, T, S], sinks [N], local_window_size (left, right) or None, segment_ids [B, T] and
   kv_segment_ids [B, S] (both or neither) -> (out [B, T, N, H] in the
@@ -93,7 +98,7 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale: float
   return out, lse.transpose(0, 2, 1).astype(jnp.float32)
 
 
-def gather_pages(pages, block_table):
+def gather_pages(pages: Array, block_table: ArrayLike) -> Array:
   """pages [P, page, K, H], block_table [B, M] -> contiguous [B, M * page, K, H]."""
   b, m = block_table.shape
   _, page, kh, h = pages.shape

@@ -23,6 +23,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from jaxflash import _checks
+
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 LOG2_E = math.log2(math.e)
 
@@ -50,7 +52,7 @@ class ScoreMods:
   def from_options(cls, *, is_causal=False, causal_alignment="bottom_right", local_window_size=None,
                    logits_soft_cap=None) -> "ScoreMods":
     """The public functions' keywords, checked (`window_size`, `soft_cap`), as one value."""
-    return cls(is_causal=bool(is_causal), causal_alignment=causal_alignment,
+    return cls(is_causal=_checks.check_bool("is_causal", is_causal), causal_alignment=causal_alignment,
                window=window_size(local_window_size), logits_soft_cap=soft_cap(logits_soft_cap))
 
   @property

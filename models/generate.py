@@ -8,8 +8,10 @@ config.json, *.safetensors, tokenizer.json). Without it, a small Qwen2.5-shaped 
 RANDOM weights and a built-in byte-level tokenizer runs instead, so the command works on
 any machine (on a CPU the kernels run in Pallas interpret mode): its text is noise, its
 timings are real. Prints the prefill time and the decode speed after the text. User errors
-(a checkpoint folder that does not exist or holds no safetensors, an empty prompt) print one
-line and exit with status 2.
+(a checkpoint folder that does not exist or holds no safetensors, an empty prompt, a value
+out of range, a missing requests file) print one line, `error: ...`, on stderr and exit with
+status 2. `--prompt-env NAME` reads the prompt from the environment variable NAME, so no
+shell ever interprets it (`make demo PROMPT=...` passes it this way).
 """
 from __future__ import annotations
 
@@ -58,36 +60,72 @@ def demo_model(seed: int, dtype):
   return model
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m models.generate",
-                                   description="Stream text from Qwen2.5 with jaxflash attention.")
-  parser.add_argument("--checkpoint", help="local HF Qwen2/Qwen2.5 directory (default: a small "
+                                   description="Stream text from Qwen2.5 with jaxflash attention.",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--checkpoint", help="local HF Qwen2/Qwen2.5 directory (none: a small "
                       "random-weight model with a byte-level tokenizer)")
-  parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+  parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to continue")
+  parser.add_argument("--prompt-env", metavar="NAME", help="read the prompt from environment "
+                      "variable NAME instead of --prompt (no shell interprets it)")
   parser.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen's chat template")
   parser.add_argument("--max-new-tokens", type=int, default=None,
-                      help="default: 64 with a checkpoint, 24 for the random model (0: none)")
-  parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
-  parser.add_argument("--top-k", type=int, default=None)
-  parser.add_argument("--top-p", type=float, default=None)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged",
-                      help="KV cache layout (default: paged)")
-  parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
+                      help="tokens to generate (none: 64 with a checkpoint, 24 for the random "
+                      "model; 0: none)")
+  parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+  parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens "
+                      "(none: all)")
+  parser.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of "
+                      "tokens whose probability reaches p, in (0, 1] (none: all)")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the sampling draws and of the "
+                      "random model's weights")
+  parser.add_argument("--cache", choices=("paged", "contiguous"), default="paged", help="KV cache layout")
+  parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the paged cache "
+                      "(a power of two >= 8)")
   names = [name for name in jaxflash.IMPLEMENTATIONS if name is not None]
   parser.add_argument("--attention", choices=names, default=None,
-                      help="jaxflash.attention's implementation (default: the best kernel for the "
-                      "device; xla: jaxflash's plain-JAX path)")
+                      help="jaxflash.attention's implementation (none: the best kernel for the "
+                      "device; xla: jaxflash's plain-JAX path; cudnn and mosaic: GPU only)")
   parser.add_argument("--steps-per-call", type=int, default=None,
-                      help="decode steps per dispatch (default: models.qwen2's STEPS_PER_CALL, 8)")
-  parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the "
-                      "checkpoint's dtype; float32 for the random model)")
+                      help="decode steps per dispatch (none: models.qwen2's STEPS_PER_CALL, 8)")
+  parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations (none: "
+                      "the checkpoint's dtype; float32 for the random model)")
   parser.add_argument("--no-stream", action="store_true",
                       help="show a progress bar and print the text at the end")
   parser.add_argument("--requests", metavar="FILE", help="a JSONL file of prompts to serve through "
                       "the continuous-batching engine (models/serving/demo.py says the format)")
   parser.add_argument("--slots", type=int, default=8, help="with --requests: sequences at once")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.prompt_env is not None:
+    if args.prompt_env not in os.environ:
+      parser.exit(2, f"error: --prompt-env {args.prompt_env}: no such environment variable\n")
+    args.prompt = os.environ[args.prompt_env]
+  return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+  """Values argparse's types let through, checked before anything loads (UserError)."""
+  if not args.prompt:
+    raise UserError("the prompt is empty" + (f" (${args.prompt_env})" if args.prompt_env else ""))
+  for name, value, ok, rule in (
+      ("--max-new-tokens", args.max_new_tokens, lambda v: v >= 0, ">= 0"),
+      ("--temperature", args.temperature, lambda v: v >= 0, ">= 0 (0: greedy)"),
+      ("--top-k", args.top_k, lambda v: v >= 1, ">= 1"),
+      ("--top-p", args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+      ("--page-size", args.page_size, lambda v: v >= 8 and not v & (v - 1), "a power of two >= 8"),
+      ("--steps-per-call", args.steps_per_call, lambda v: v >= 1, ">= 1"),
+      ("--slots", args.slots, lambda v: v >= 1, ">= 1")):
+    if value is not None and not ok(value):
+      raise UserError(f"{name} must be {rule}, got {value}")
+  if args.attention in ("cudnn", "mosaic") and jax.default_backend() != "gpu":
+    raise UserError(f"--attention {args.attention} needs a GPU; this machine runs on "
+                    f"{jax.default_backend()} (use the default or xla)")
+  if args.requests and not os.path.isfile(args.requests):
+    raise UserError(f"requests file {args.requests} does not exist")
 
 
 def _eos_ids(checkpoint: str, config) -> tuple[int, ...]:
@@ -120,7 +158,7 @@ def load(args):
       raise UserError(f"no tokenizer.json in {args.checkpoint}")
     try:
       model = qwen2.from_pretrained(checkpoint, dtype=args.dtype, progress=True)
-    except (FileNotFoundError, NotImplementedError, ValueError) as e:  # CheckpointError included
+    except (FileNotFoundError, NotImplementedError, ValueError, KeyError) as e:  # CheckpointError too
       raise UserError(str(e)) from e
     tokenizer = Tokenizer.from_file(tokenizer_file)
     return model, tokenizer, _eos_ids(checkpoint, model.config), f"checkpoint {args.checkpoint}"
@@ -166,6 +204,7 @@ class TextStream:
 def main(argv=None) -> int:
   args = parse_args(argv)
   try:
+    check_args(args)
     return run(args)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -177,10 +216,6 @@ def run(args: argparse.Namespace) -> int:
 
   from models import qwen2
 
-  if args.max_new_tokens is not None and args.max_new_tokens < 0:
-    raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-  if not args.prompt:
-    raise UserError("the prompt is empty (--prompt \"\")")
   started = time.perf_counter()
   model, tokenizer, eos_ids, label = load(args)
   max_new = args.max_new_tokens if args.max_new_tokens is not None else (64 if args.checkpoint else 24)
@@ -223,7 +258,11 @@ def run(args: argparse.Namespace) -> int:
 
   if args.no_stream:
     bar = tqdm(total=max_new, desc="generating", unit="tok")
-    result = sampler([prompt_ids], max_new, stream=lambda _: bar.update(), **options)
+
+    def advance(_) -> None:  # returns None: tqdm's update() returns True when it redraws
+      bar.update()
+
+    result = sampler([prompt_ids], max_new, stream=advance, **options)
     bar.close()
     print(printable(tokenizer.decode(result.tokens[0])))
   else:

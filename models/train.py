@@ -18,6 +18,11 @@ With `--pack` each row holds several documents of random lengths (random spans o
 data, up to `--doc-len` tokens each) end to end, with segment ids: attention stays inside each
 document (jaxflash.attention's `segment_ids`), positions restart at each, and the loss leaves
 out the one target per boundary that belongs to the next document.
+
+`--save DIR` writes the trained model as a Hugging Face checkpoint (config.json, model.safetensors, and the tokenizer.json of a
+checkpoint or of the byte tokenizer) that `models.qwen2.from_pretrained` and
+`python -m models.generate --checkpoint DIR` read. User errors (a value out of range, a
+missing file) print one line, `error: ...`, on stderr and exit with status 2.
 """
 from __future__ import annotations
 
@@ -35,30 +40,59 @@ import jaxflash
 ALPHABET = b"abcdefghijklmnop"
 
 
+class UserError(Exception):
+  """A problem with what the user asked for: printed as one line, exit status 2."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m models.train",
-                                   description="Train Qwen2.5 with jaxflash attention.")
-  parser.add_argument("--checkpoint", help="local HF Qwen2/Qwen2.5 directory (default: the small "
-                      "random demo model with a byte-level tokenizer)")
-  parser.add_argument("--text", help="train on this text file (default: synthetic Markov bytes)")
-  parser.add_argument("--steps", type=int, default=30)
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--seq-len", type=int, default=64, help="tokens per row (default: 64)")
+                                   description="Train Qwen2.5 with jaxflash attention.",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--checkpoint", help="local HF Qwen2/Qwen2.5 directory to start from (none: "
+                      "the small random demo model with a byte-level tokenizer)")
+  parser.add_argument("--text", help="train on this text file (none: synthetic Markov bytes)")
+  parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+  parser.add_argument("--batch", type=int, default=4, help="rows per step")
+  parser.add_argument("--seq-len", type=int, default=64, help="tokens per row")
   parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-  parser.add_argument("--weight-decay", type=float, default=0.01)
+  parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
   parser.add_argument("--attention", choices=[name for name in jaxflash.IMPLEMENTATIONS if name],
-                      default=None, help="jaxflash.attention's implementation (default: the best "
+                      default=None, help="jaxflash.attention's implementation (none: the best "
                       "kernel for the device; xla: jaxflash's plain-JAX path; cudnn: GPU only)")
-  parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the "
-                      "checkpoint's dtype; float32 for the random model)")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                      help="weights and activations (none: the checkpoint's dtype; float32 for "
+                      "the random model)")
   parser.add_argument("--pack", action="store_true",
                       help="pack documents of random lengths into each row, with segment ids")
   parser.add_argument("--doc-len", type=int, default=None,
                       help="with --pack: the longest document, in tokens (lengths are uniform from "
                       "a quarter of it up; unset: a quarter of --seq-len)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--log-every", type=int, default=5)
+  parser.add_argument("--seed", type=int, default=0, help="seed of the weights, data and batches")
+  parser.add_argument("--log-every", type=int, default=5, help="print the loss every this many steps")
+  parser.add_argument("--save", metavar="DIR", help="write the trained model here as a Hugging Face "
+                      "checkpoint (config.json, model.safetensors, tokenizer.json)")
   return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+  """Values argparse's types let through, checked before anything loads (UserError)."""
+  for name, value in (("--steps", args.steps), ("--batch", args.batch), ("--seq-len", args.seq_len),
+                      ("--log-every", args.log_every)):
+    if value < 1:
+      raise UserError(f"{name} must be >= 1, got {value}")
+  if not args.lr > 0:
+    raise UserError(f"--lr must be > 0, got {args.lr}")
+  if args.weight_decay < 0:
+    raise UserError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+  if args.attention in ("cudnn", "mosaic") and jax.default_backend() != "gpu":
+    raise UserError(f"--attention {args.attention} needs a GPU; this machine runs on "
+                    f"{jax.default_backend()}")
+  for flag, path, is_there in (("--text", args.text, os.path.isfile),
+                               ("--checkpoint", args.checkpoint, os.path.isdir)):
+    if path and not is_there(os.path.expanduser(path)):
+      raise UserError(f"{flag} {path} does not exist")
+  if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+    raise UserError(f"--save {args.save} is a file, not a directory")
 
 
 def load(args):
@@ -71,8 +105,11 @@ def load(args):
   if args.checkpoint:
     tokenizer_file = os.path.join(args.checkpoint, "tokenizer.json")
     if not os.path.exists(tokenizer_file):
-      raise SystemExit(f"error: no tokenizer.json in {args.checkpoint}")
-    model = qwen2.from_pretrained(args.checkpoint, dtype=args.dtype, progress=True)
+      raise UserError(f"no tokenizer.json in {args.checkpoint}")
+    try:
+      model = qwen2.from_pretrained(args.checkpoint, dtype=args.dtype, progress=True)
+    except (FileNotFoundError, NotImplementedError, ValueError) as e:  # CheckpointError included
+      raise UserError(str(e)) from e
     return model, Tokenizer.from_file(tokenizer_file), f"checkpoint {args.checkpoint}"
   config = demo_config()
   model = qwen2.random_model(config, seed=args.seed, dtype=args.dtype or "float32")
@@ -104,7 +141,8 @@ def token_stream(args, tokenizer) -> np.ndarray:
     text = markov_bytes(max(20_000, 4 * args.batch * (args.seq_len + 1)), args.seed).decode()
   ids = np.asarray(tokenizer.encode(text).ids, np.int32)
   if ids.size < args.seq_len + 2:
-    raise SystemExit(f"error: {args.text} has {ids.size} tokens, fewer than --seq-len + 2")
+    raise UserError(f"{args.text or 'the data'} has {ids.size} tokens, fewer than --seq-len + 2 "
+                    f"({args.seq_len + 2})")
   return ids
 
 
@@ -170,7 +208,8 @@ def make_step(model, optimizer, attention_impl):
 
 
 def train(args, log=print) -> list[float]:
-  """Runs args.steps steps; returns the loss of each."""
+  """Runs args.steps steps (and with args.save writes the trained model); returns the loss
+  of each."""
   import optax
   from tqdm.auto import tqdm
   model, tokenizer, label = load(args)
@@ -208,11 +247,25 @@ def train(args, log=print) -> list[float]:
   seconds = time.perf_counter() - started
   log(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps ({seconds:.1f} s, "
       f"{args.steps * args.batch * args.seq_len / seconds:.0f} tokens/s incl. compilation)")
+  if args.save:
+    from flax import nnx
+
+    from models import qwen2
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    qwen2.save_pretrained(nnx.merge(graphdef, params, rest), args.save)
+    tokenizer.save(os.path.join(args.save, "tokenizer.json"))
+    log(f"saved:     {args.save} (config.json, model.safetensors, tokenizer.json)")
   return losses
 
 
 def main(argv=None) -> int:
-  train(parse_args(argv))
+  args = parse_args(argv)
+  try:
+    check_args(args)
+    train(args)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   return 0
 
 

@@ -78,15 +78,16 @@ def test_decode_matches_reference(case, interpret, rng):
 
 
 def test_scale_and_clamped_lengths(interpret, rng):
-  """An explicit scale; lengths past the capacity read as the capacity, negative as 0.
-  (Shapes of an earlier case: no new compilation.)"""
+  """An explicit scale; traced lengths (under jit: concrete ones raise) past the capacity
+  read as the capacity, negative as 0. (Shapes of an earlier case: no new compilation.)"""
   batch, capacity, heads, kv_heads, head_dim, dtype, _, splits, config = CASES["g3_h80_bf16_one_split"]
   q, k, v = _inputs(rng, batch, capacity, heads, kv_heads, head_dim, dtype)
   lengths = jnp.asarray([1000, -3, 64], jnp.int32)
   if not interpret:
     _poison(q)
-  out, lse = decode_attention(q, k, v, lengths, scale=0.3, num_splits=splits, config=config,
-                              return_residual=True, interpret=interpret)
+  out, lse = jax.jit(lambda lengths: decode_attention(
+      q, k, v, lengths, scale=0.3, num_splits=splits, config=config, return_residual=True,
+      interpret=interpret))(lengths)
   ref_out, ref_lse = attention_f64(q, k, v, scale=0.3, kv_lengths=np.array([capacity, 0, 64]))
   assert_close(out, ref_out, dtype)
   assert_close(lse, ref_lse, jnp.float32, what="lse")

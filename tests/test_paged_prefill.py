@@ -17,7 +17,7 @@ import pytest
 import jaxflash
 from jaxflash.configs import PrefillConfig
 from jaxflash.paged import paged_kv_write
-from jaxflash.paged_prefill import paged_prefill_attention, paged_prefill_reference
+from jaxflash.paged_prefill import _paged_prefill_attention, paged_prefill_attention, paged_prefill_reference
 from tests.conftest import assert_close, poison_allocator, random_array
 from tests.reference_np import attention_f64, gather_pages_np
 from tests.test_decode import cache_sized_data_movement
@@ -118,11 +118,11 @@ def test_lengths_and_table_change_without_recompiling(rng):
                                                     jnp.asarray(tb), jnp.asarray(ql, jnp.int32),
                                                     config=config)
   call(kv_lengths, table, q_lengths).block_until_ready()
-  compiled = paged_prefill_attention._cache_size()
+  compiled = _paged_prefill_attention._cache_size()  # the jitted launch behind the checks
   for kv, ql in (([13, 48], [13, 1]), ([20, 9], [0, 9])):
     table, clean = _make_table(rng, "random", 2, 16, 6, 8, kv)
     assert_close(call(kv, table, ql), _reference(q, k_pages, v_pages, np.asarray(kv), clean, ql)[0], FP32)
-  assert paged_prefill_attention._cache_size() == compiled
+  assert _paged_prefill_attention._cache_size() == compiled
 
 
 def test_chunked_prefill_through_paged_kv_write(rng):

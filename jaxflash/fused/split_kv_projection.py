@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jaxflash import _checks, configs
 from jaxflash._triton import LN_2, CompilerParams, load, load_masked, mask2d, pl, quiet, store, use_interpret
+from jaxflash._types import DTypeLike
 from jaxflash._util import NEG_INF, next_power_of_2
 from jaxflash.decode import SplitKV, chunk_shares, decode_combine_reference, merge_chunks
 
@@ -84,8 +85,8 @@ def _check(split: SplitKV, w):
 
 
 @functools.partial(jax.jit, static_argnames=("merged_dtype", "return_partials", "interpret"))
-def project_split_kv(split: SplitKV, w: jax.Array, *, merged_dtype=None, return_partials: bool = False,
-                     interpret: bool | None = None) -> jax.Array:
+def project_split_kv(split: SplitKV, w: jax.Array, *, merged_dtype: DTypeLike | None = None,
+                     return_partials: bool = False, interpret: bool | None = None) -> jax.Array:
   """merge(split) @ w: the decode attention's output [B, 1, N * H] times w [N * H, D].
 
   split: `decode_attention(..., return_partials=True)` or its paged twin. Each head is merged

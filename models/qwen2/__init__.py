@@ -14,10 +14,10 @@ from models.qwen2.plan import DecodeWorkspace, StepPlan
 from models.qwen2.sampler import (GenerationOutput, LoopState, Sampler, StepFunctions, generate,
                                   step_functions)
 from models.qwen2.sampling import SamplingParams, sample_logits
-from models.qwen2.weights import CheckpointError, from_pretrained, load_weights, random_model
+from models.qwen2.weights import CheckpointError, from_pretrained, load_weights, random_model, save_pretrained
 
 __all__ = [
-    "Qwen2Config", "PRESETS", "Qwen2ForCausalLM", "from_pretrained", "random_model",
+    "Qwen2Config", "PRESETS", "Qwen2ForCausalLM", "from_pretrained", "random_model", "save_pretrained",
     "load_weights", "CheckpointError", "generate", "Sampler", "GenerationOutput", "step_functions",
     "StepFunctions", "SamplingParams", "sample_logits", "ContiguousCache", "PagedCache", "LayerKV",
     "PageAllocator", "OutOfPagesError", "shard_model", "TensorParallel", "StepPlan",

@@ -105,6 +105,10 @@ class Qwen2Config:
   @classmethod
   def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> Qwen2Config:
     """Maps a Hugging Face Qwen2 `config.json` (as a dict) onto this dataclass."""
+    missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if key not in hf]
+    if missing:
+      raise ValueError(f"config.json lacks {', '.join(missing)}")
     architectures = hf.get("architectures") or []
     model_type = hf.get("model_type")
     if model_type not in (None, "qwen2") or (architectures and "Qwen2ForCausalLM" not in architectures):
@@ -141,6 +145,14 @@ class Qwen2Config:
     )
     fields.update(overrides)
     return cls(**fields)
+
+  def to_hf_dict(self) -> dict[str, Any]:
+    """This config as a Hugging Face Qwen2 `config.json` dict (`from_hf_dict` reads it back)."""
+    fields = dataclasses.asdict(self)
+    fields["eos_token_id"] = (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+                              else self.eos_token_id)
+    fields["layer_types"] = None if self.layer_types is None else list(self.layer_types)
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **fields}
 
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, **overrides) -> Qwen2Config:

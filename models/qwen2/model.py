@@ -73,7 +73,9 @@ class Qwen2ForCausalLM(nnx.Module):
     attention_impl: `jaxflash.attention`'s `implementation` (one of jaxflash.IMPLEMENTATIONS;
     None: the best kernel). plan: how the call runs (default `StepPlan.build`: for A/B runs).
     Token ids must lie in [0, vocab): checked where `tokens` is concrete; under jit it cannot
-    be, and an id out of range gives meaningless logits.
+    be, and an id out of range gives meaningless logits. T may not exceed the config's
+    max_position_embeddings (ValueError); positions after a cache's tokens are data and are
+    not checked.
     """
     hidden, cache, _ = self.hidden_states(tokens, positions, cache, lengths=lengths,
                                           attention_impl=attention_impl, plan=plan,
@@ -95,6 +97,9 @@ class Qwen2ForCausalLM(nnx.Module):
       raise ValueError(f"tokens must be [B, T] token ids, got shape {tuple(tokens.shape)}")
     self._check_token_ids(tokens)
     batch, steps = tokens.shape
+    if steps > self.config.max_position_embeddings:
+      raise ValueError(f"tokens {tuple(tokens.shape)} hold T = {steps} positions, more than the model's "
+                       f"max_position_embeddings ({self.config.max_position_embeddings})")
     if plan is None:
       plan = StepPlan.build(self, tokens.shape, cache, attention_impl)
     elif attention_impl is not None and attention_impl != plan.attention_impl:

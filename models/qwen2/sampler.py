@@ -143,9 +143,9 @@ def snapshot(x: jax.Array) -> jax.Array:
 
 class StepFunctions(NamedTuple):
   """The jitted prefill, decode step and multi-step decode of one model structure. All
-  take the weights as a flat list of arrays first and have static keyword arguments
-  `sampling` and `attention_impl` (decode and decode_steps also `plan`: None for the
-  default StepPlan). prefill donates the cache; decode and decode_steps the LoopState (and
+  take the weights as a flat list of arrays first, the keyword `sampling` (a SamplingParams:
+  data, so new values never recompile) and the static keyword `attention_impl` (decode and
+  decode_steps also `plan`: None for the default StepPlan). prefill donates the cache; decode and decode_steps the LoopState (and
   the history) they return: read tokens through `snapshot` before the next call.
 
     prefill(params, tokens [B, T], lengths [B], cache, key, eos_ids) -> LoopState
@@ -168,12 +168,12 @@ def step_functions(graphdef, treedef) -> StepFunctions:
   def merge(params):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
 
-  @functools.partial(jax.jit, static_argnames=("sampling", "attention_impl"),
+  @functools.partial(jax.jit, static_argnames=("attention_impl",),
                      donate_argnames=("cache",))
   def prefill(params, tokens, lengths, cache, key, eos_ids, *, sampling, attention_impl):
     return _prefill(merge(params), tokens, lengths, cache, key, eos_ids, sampling, attention_impl)
 
-  jit = functools.partial(jax.jit, static_argnames=("sampling", "attention_impl", "plan"))
+  jit = functools.partial(jax.jit, static_argnames=("attention_impl", "plan"))
 
   # Everything a step returns is donated back to the next step, so every buffer of the step
   # keeps its address and XLA relaunches its recorded CUDA graph as it is; one fresh output
@@ -309,7 +309,7 @@ class Sampler:
     if longest + max_new_tokens > self.config.max_position_embeddings:
       raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"max_position_embeddings ({self.config.max_position_embeddings})")
-    sampling = SamplingParams(temperature, top_k, top_p)
+    sampling = SamplingParams(temperature, top_k, top_p).as_arrays()  # data: no recompile
     if eos_token_id is None:
       eos = self.config.eos_token_ids
     else:
@@ -354,7 +354,7 @@ class Sampler:
         emitted[row] = token
         if token in eos_set or len(outputs[row]) >= max_new_tokens:
           finish(row)
-      if stream is not None and stream(emitted):
+      if stream is not None and stream(emitted) is True:  # exactly True: see `generate`
         for row in np.flatnonzero(~finished):
           finish(row)
 
@@ -415,15 +415,18 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_
   `max_new_tokens` tokens and returns the new tokens per prompt.
 
   Greedy when temperature == 0, else sampled with temperature and optional top-k / top-p
-  from `jax.random.key(seed)`. A sequence stops after its EOS token, which is included in
-  its output; eos_token_id None means the config's EOS ids (pass () to never stop early).
+  from `jax.random.key(seed)`; the three are data to the compiled steps, so new values
+  never recompile (one compilation per prompt bucket). A sequence stops after its EOS
+  token, which is included in its output; eos_token_id None means the config's EOS ids
+  (pass () to never stop early).
   cache: "paged" (page_size tokens a page; num_pages default: enough for every sequence)
   or "contiguous". stream(step_tokens) is called as tokens arrive with one entry per
-  prompt (None once that prompt has finished); returning True stops generation at once: no
-  later token is emitted or returned, and no further decode call is dispatched (the one
-  already running on the device, at most `steps_per_call` steps, finishes and its tokens
-  are dropped). attention_impl: one of jaxflash.IMPLEMENTATIONS (None: the best kernel;
-  "xla": jaxflash's plain-JAX path). steps_per_call: decode steps the device runs per
+  prompt (None once that prompt has finished); returning exactly `True` (checked with `is
+  True`: any other value, truthy or not, such as tqdm's `update()` result, goes on) stops
+  generation at once: no later token is emitted or returned, and no further decode call is
+  dispatched (the one already running on the device, at most `steps_per_call` steps,
+  finishes and its tokens are dropped). attention_impl: one of jaxflash.IMPLEMENTATIONS
+  (None: the best kernel; "xla": jaxflash's plain-JAX path). steps_per_call: decode steps the device runs per
   dispatch (the last call may compute a few steps whose results are dropped).
   max_new_tokens 0 returns empty lists.
   """

@@ -6,6 +6,7 @@ Only safetensors files are read (`model.safetensors`, or the shards a
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -206,6 +207,24 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, param_dtype=None, pr
     return model
   from models.qwen2.parallel import shard_model
   return shard_model(model, mesh, model_axis=model_axis, data_axis=data_axis)
+
+
+def save_pretrained(model: Qwen2ForCausalLM, path: str | os.PathLike) -> None:
+  """Writes `model` as a Hugging Face checkpoint directory (config.json and
+  model.safetensors, HF's tensor names and layouts) that `from_pretrained` reads back."""
+  from safetensors.numpy import save_file
+  path = os.path.expanduser(os.fspath(path))
+  os.makedirs(path, exist_ok=True)
+  _, state = nnx.split(model)
+  tensors = {}
+  for state_path, variable in nnx.to_flat_state(state):
+    value = np.asarray(jnp.asarray(variable[...], jnp.float32))  # float32: NumPy has no bfloat16
+    name = hf_name(state_path)
+    tensors[name] = np.ascontiguousarray(value.T if _state_path(name)[1] is _transpose else value)
+  save_file(tensors, os.path.join(path, SINGLE_FILE))
+  config = dataclasses.replace(model.config, torch_dtype=jnp.dtype(model.dtype).name)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config.to_hf_dict(), f, indent=2)
 
 
 def random_model(config: Qwen2Config, seed: int = 0, dtype="float32", *, param_dtype=None,

@@ -4,30 +4,48 @@ Each line is a JSON string (the prompt) or an object with "prompt" and optionall
 "max_new_tokens", "temperature", "top_k", "top_p", "seed" (the command line's values
 otherwise). Shows a progress bar of tokens, then each request's text and a summary:
 output tokens/s, time to first token and inter-token latency (p50 / p99), compilations.
-A bad line is reported and skipped; the others run.
+A bad line (not JSON, no "prompt" string, a setting of the wrong type) is reported on
+stderr and skipped; the others run, and results carry their request (line) numbers.
 """
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import numpy as np
 
 
-def read_requests(path: str) -> list[dict]:
+SETTING_TYPES = {"max_new_tokens": int, "top_k": int, "seed": int, "temperature": (int, float),
+                 "top_p": (int, float)}
+
+
+def read_requests(path: str) -> list[tuple[int, dict]]:
+  """-> (line number, request) pairs; a bad line is reported on stderr and skipped."""
   requests = []
   with open(path) as f:
     for number, line in enumerate(f, 1):
       if not line.strip():
         continue
-      item = json.loads(line)
+      try:
+        item = json.loads(line)
+      except json.JSONDecodeError as e:
+        print(f"{path}:{number}: skipped: not JSON ({e.msg})", file=sys.stderr)
+        continue
       item = {"prompt": item} if isinstance(item, str) else item
       if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-        raise SystemExit(f"error: {path}:{number}: expected a JSON string or an object with a "
-                         f"\"prompt\" string")
-      requests.append(item)
+        print(f"{path}:{number}: skipped: expected a JSON string or an object with a \"prompt\" "
+              f"string", file=sys.stderr)
+        continue
+      wrong = [f"{key}={item[key]!r}" for key, kind in SETTING_TYPES.items()
+               if key in item and (not isinstance(item[key], kind) or isinstance(item[key], bool))]
+      if wrong:
+        print(f"{path}:{number}: skipped: {', '.join(wrong)} (numbers expected)", file=sys.stderr)
+        continue
+      requests.append((number, item))
   if not requests:
-    raise SystemExit(f"error: no requests in {path}")
+    print(f"error: no requests in {path}", file=sys.stderr)
+    raise SystemExit(2)
   return requests
 
 
@@ -40,22 +58,24 @@ def serve_requests(args, model, tokenizer, eos_ids, *, max_new: int, printable) 
   from tqdm.auto import tqdm
 
   from models.serving import Engine
-  items = read_requests(args.requests)
+  numbered = read_requests(args.requests)
+  items = [item for _, item in numbered]
   encoded = [tokenizer.encode(item["prompt"]).ids for item in items]
   longest = max(len(ids) for ids in encoded) + max(int(item.get("max_new_tokens", max_new)) for item in items)
   window = min(model.config.max_position_embeddings, -(-longest // 256) * 256)
   engine = Engine(model, max_slots=args.slots, page_size=args.page_size, max_seq_len=window,
                   attention_impl=args.attention)
   start = time.perf_counter()
-  handles = []
-  for i, (item, ids) in enumerate(zip(items, encoded)):
+  handles, numbers = [], []  # accepted handles and their request (line) numbers
+  for i, ((number, item), ids) in enumerate(zip(numbered, encoded)):
     try:
       handles.append(engine.submit(
           ids, int(item.get("max_new_tokens", max_new)), temperature=item.get("temperature", args.temperature),
           top_k=item.get("top_k", args.top_k), top_p=item.get("top_p", args.top_p),
           seed=item.get("seed", args.seed + i), stop_ids=eos_ids))
+      numbers.append(number)
     except (ValueError, TypeError) as e:
-      print(f"request {i + 1} refused: {e}")
+      print(f"request {number} refused: {e}", file=sys.stderr)
   total = sum(h.request.max_new_tokens for h in handles)
   with tqdm(total=total, desc=f"{len(handles)} requests", unit="tok") as bar:
     produced = 0
@@ -64,8 +84,8 @@ def serve_requests(args, model, tokenizer, eos_ids, *, max_new: int, printable) 
       bar.update(now - produced)
       produced = now
   seconds = time.perf_counter() - start
-  for handle in handles:
-    print(f"\n[{handle.id + 1}] {printable(tokenizer.decode(list(handle.request.prompt)))!r} ->")
+  for number, handle in zip(numbers, handles):
+    print(f"\n[{number}] {printable(tokenizer.decode(list(handle.request.prompt)))!r} ->")
     print(printable(tokenizer.decode(handle.tokens)))
   tokens = sum(len(h.tokens) for h in handles)
   ttft = [h.ttft for h in handles if h.ttft is not None]

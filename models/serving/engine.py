@@ -112,6 +112,8 @@ class Engine:
                         ("prefill_lanes", prefill_lanes)):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(page_size, int) or page_size < 8 or page_size & (page_size - 1):
+      raise ValueError(f"page_size must be a power of two >= 8 (the paged kernels' pages), got {page_size!r}")
     if not isinstance(min_chunk, int) or min_chunk < 1 or min_chunk & (min_chunk - 1):
       raise ValueError(f"min_chunk must be a power of two, got {min_chunk!r}")
     self.config = config
