@@ -38,8 +38,10 @@ def _quantized(rng, shape, kv_dtype, scale=1.0):
   return x, x_q, scales
 
 
-def _deq(x_q, scales):
-  return np.asarray(dequantize_kv(x_q, scales), np.float64)
+def _deq(x_q, scales, dtype=FP32):
+  """The cache as the kernels see it: dequantized in float32, then rounded to the matmuls'
+  dtype (the query's), in float64."""
+  return np.asarray(dequantize_kv(x_q, scales, dtype).astype(FP32), np.float64)
 
 
 # --------------------------------------------------------------------------- quantize_kv
@@ -75,7 +77,7 @@ def test_quantize_zero_and_nan_rows(kv_dtype, rng):
   """A zero row: scale 0, zeros back (no NaN). A row holding NaN: NaN scale, NaN back in that
   row only."""
   dtype = KV_DTYPES[kv_dtype]
-  x = np.asarray(random_array(rng, (4, 3, 32), FP32))
+  x = np.array(random_array(rng, (4, 3, 32), FP32))
   x[1, 2] = 0.0
   x[2, 0, 5] = np.nan
   x_q, scales = jaxflash.quantize_kv(jnp.asarray(x), dtype)
@@ -140,8 +142,8 @@ def test_decode_matches_dequantized_reference(case, interpret, rng):
                               **kernel_options)
   chex.assert_shape(out, q.shape)
   assert out.dtype == q_dtype and lse.dtype == FP32
-  ref_out, ref_lse = attention_f64(q, _deq(k_q, k_scale), _deq(v_q, v_scale), kv_lengths=np.asarray(lengths),
-                                   **ref_options)
+  ref_out, ref_lse = attention_f64(q, _deq(k_q, k_scale, q_dtype), _deq(v_q, v_scale, q_dtype),
+                                   kv_lengths=np.asarray(lengths), **ref_options)
   assert_close(out, ref_out, q_dtype)
   assert_close(lse, ref_lse, FP32, what="lse")
 
@@ -197,8 +199,8 @@ def test_paged_decode_matches_dequantized_reference(case, interpret, rng):
                                     v_scale=v_scale, num_splits=splits, config=DecodeConfig(block_k),
                                     return_residual=True, interpret=interpret)
   chex.assert_shape(out, q.shape)
-  ref_out, ref_lse = attention_f64(q, gather_pages_np(_deq(k_pages, k_scale), clean),
-                                   gather_pages_np(_deq(v_pages, v_scale), clean), kv_lengths=np.asarray(lengths))
+  ref_out, ref_lse = attention_f64(q, gather_pages_np(_deq(k_pages, k_scale, q_dtype), clean),
+                                   gather_pages_np(_deq(v_pages, v_scale, q_dtype), clean), kv_lengths=np.asarray(lengths))
   assert_close(out, ref_out, q_dtype)
   assert_close(lse, ref_lse, FP32, what="lse")
 
@@ -226,8 +228,8 @@ def test_paged_prefill_matches_dequantized_reference(case, interpret, rng):
       q, k_pages, v_pages, jnp.asarray(kv_lengths, jnp.int32), jnp.asarray(table),
       jnp.asarray(q_lengths, jnp.int32), k_scale=k_scale, v_scale=v_scale, return_residual=True,
       config=PrefillConfig(16, 16, 4, 2), interpret=interpret)
-  ref_out, ref_lse = attention_f64(q, gather_pages_np(_deq(k_pages, k_scale), clean),
-                                   gather_pages_np(_deq(v_pages, v_scale), clean), is_causal=True,
+  ref_out, ref_lse = attention_f64(q, gather_pages_np(_deq(k_pages, k_scale, q_dtype), clean),
+                                   gather_pages_np(_deq(v_pages, v_scale, q_dtype), clean), is_causal=True,
                                    q_lengths=np.asarray(q_lengths), kv_lengths=np.asarray(kv_lengths))
   assert_close(out, ref_out, q_dtype)
   assert_close(lse, ref_lse, FP32, what="lse")
