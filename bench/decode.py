@@ -16,7 +16,7 @@ d = 128, bf16, lengths = capacity). Sweeps: Flash-Decoding's chunk count (B=1 at
 
   python -m bench.decode [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
   python -m bench.decode --smoke                               # tiny CPU run, interpret mode
-  python -m bench.decode --kv-dtypes int8,float8_e4m3fn        # + quantized caches (jaxflash, contiguous and paged 16)
+  python -m bench.decode --kv-dtypes int8,float8_e4m3fn        # + int8 / FP8 cache rows
 
 Quantized rows (--kv-dtypes): the same caches through jaxflash.quantize_kv, read by the same
 kernels; GB/s of the bytes actually read (one byte a value plus the float32 scale per token
@@ -163,7 +163,8 @@ def bench_quantized(row, kv_dtypes, layer_sets, lengths, table, ceiling_gbs, lim
       timing = time_group({label: attention}, arg_sets, shared, limit, row).get(label)
       record(row, label, timing, sites, nbytes, ceiling_gbs)
       base = row.get(f"{label.replace('_' + name, '')}_us")
-      row[f"{label}_tokens_over_bf16"] = base / row[f"{label}_us"] if base and row.get(f"{label}_us") else None
+      us = row.get(f"{label}_us")
+      row[f"{label}_tokens_over_bf16"] = base / us if base and us else None
       if isinstance(timing, Timing):
         row["max_abs_error"][label] = max_error(timing, ref)
     del sets, group
@@ -465,7 +466,8 @@ def main(argv=None):
           "labels": {f"{n}_gbs": LABELS[n] for n in IMPLS}, "where": lambda r: r["batch"] == 1,
           "xlabel": "context (batch 1)", "ylabel": "GB/s of K+V (device time)",
           "title": "Decode, 12 q heads / 2 kv heads, d=128, bf16", "hline": (ceiling, "HBM read ceiling")}
-  paths = write_results("decode", rows, meta, main_columns(kv_dtypes), plot=plot, out_dir=out_dir, notes=notes,
+  paths = write_results("decode", rows, meta, main_columns(kv_dtypes), plot=plot, out_dir=out_dir,
+                        notes=notes,
                         extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
   write_sweeps(split_rows, stage_rows, meta, ceiling, stage_context, out_dir)
 
@@ -494,8 +496,9 @@ def main_columns(kv_dtypes=()):
   for kv_dtype in kv_dtypes:  # GB/s of the bytes read, and tokens/s over the bf16 cache's
     for prefix, label in (("jaxflash", "jaxflash"), ("jaxflash_paged16", "paged 16")):
       n = f"{prefix}_{jnp.dtype(kv_dtype).name}"
-      cols += [(lambda r, n=n: value_with_pct(r, f"{n}_gbs", f"{n}_pct"), f"{label} {jnp.dtype(kv_dtype).name}"),
-               (f"{n}_tokens_over_bf16", f"{label} {jnp.dtype(kv_dtype).name} tokens/s / bf16", "{:.2f}")]
+      title = f"{label} {jnp.dtype(kv_dtype).name}"
+      cols += [(lambda r, n=n: value_with_pct(r, f"{n}_gbs", f"{n}_pct"), title),
+               (f"{n}_tokens_over_bf16", f"{title} tokens/s / bf16", "{:.2f}")]
   return cols
 
 

@@ -417,7 +417,8 @@ def main(argv=None):
       "Everything else (projections, MLP, norms, sampling: greedy) is the same jitted model code.",
   ]
   columns = [("batch", "B"), ("prompt", "prompt"), ("impl", "attention"), ("cache", "cache"),
-             ("kv_dtype", "KV dtype"), ("prefill_ms", "prefill ms"), ("decode_ms_step", "decode ms/step (median)"),
+             ("kv_dtype", "KV dtype"), ("prefill_ms", "prefill ms"),
+             ("decode_ms_step", "decode ms/step (median)"),
              ("tokens_per_s", "tokens/s"), ("pipelined_ms_step", "pipelined ms/step"),
              ("loop_ms_step", "generate loop ms/step"),
              ("step_device_ms", "step device ms"), ("kernels_per_step", "kernels/step", "{:.0f}"),

@@ -394,7 +394,8 @@ def _quantized_attention(query, key, value, k_scale, v_scale, bias, mask, scale,
     static = dict(scale=static_scale, local_window_size=mods.window, logits_soft_cap=mods.logits_soft_cap,
                   return_residual=True)
     if paged:
-      result = paged_decode_attention(query, key, value, kv_lengths, block_table, **options, **static, **scales)
+      result = paged_decode_attention(query, key, value, kv_lengths, block_table, **options, **static,
+                                      **scales)
     else:
       result = decode_attention(query, key, value, kv_lengths, **options, **static, **scales)
   elif kernels and paged and _paged_prefill_serves(mods, static_scale, options):

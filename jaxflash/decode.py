@@ -609,7 +609,8 @@ def decode_attention_reference(query, k_cache, v_cache, key_value_seq_lengths=No
   """Plain-JAX decode with the same semantics (materialises the scores): for checking. A
   quantized cache is dequantized with k_scale/v_scale first."""
   if k_scale is not None:
-    k_cache, v_cache = dequantize_kv(k_cache, k_scale, query.dtype), dequantize_kv(v_cache, v_scale, query.dtype)
+    k_cache = dequantize_kv(k_cache, k_scale, query.dtype)
+    v_cache = dequantize_kv(v_cache, v_scale, query.dtype)
   batch, capacity = k_cache.shape[:2]
   lengths = (jnp.full((batch,), capacity, jnp.int32) if key_value_seq_lengths is None
              else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity))

@@ -221,7 +221,8 @@ def paged_kv_write(k_pages, v_pages, block_table, start_positions, k_new, v_new,
 
   if not quantized:
     return write(k_pages, k_new), write(v_pages, v_new)
-  (k_q, k_new_scale), (v_q, v_new_scale) = quantize_kv(k_new, k_pages.dtype), quantize_kv(v_new, v_pages.dtype)
+  k_q, k_new_scale = quantize_kv(k_new, k_pages.dtype)
+  v_q, v_new_scale = quantize_kv(v_new, v_pages.dtype)
   return (write(k_pages, k_q), write(v_pages, v_q), write(k_scale, k_new_scale),
           write(v_scale, v_new_scale))
 
@@ -232,7 +233,8 @@ def paged_decode_attention_reference(query, k_pages, v_pages, key_value_seq_leng
   """Plain JAX: gather the pages into contiguous caches (dequantized with their scales if
   given), then attend (for checking)."""
   if k_scale is not None:
-    k_pages, v_pages = dequantize_kv(k_pages, k_scale, query.dtype), dequantize_kv(v_pages, v_scale, query.dtype)
+    k_pages = dequantize_kv(k_pages, k_scale, query.dtype)
+    v_pages = dequantize_kv(v_pages, v_scale, query.dtype)
   capacity = block_table.shape[1] * k_pages.shape[1]
   lengths = jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity)
   table = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)

@@ -224,7 +224,8 @@ def paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
   # [P, page, K, H] -> [P * page, K, H]: a bitcast, the pool is read in place.
   k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
   v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
-  k_scale, v_scale = (None if x is None else x.reshape(num_pages * page_size, kv_heads) for x in (k_scale, v_scale))
+  k_scale, v_scale = (None if x is None else x.reshape(num_pages * page_size, kv_heads)
+                      for x in (k_scale, v_scale))
   inputs = (q_lengths, kv_lengths, block_table, query, k_rows, v_rows, k_scale, v_scale)
   out_shape = [result_struct(query.shape, query.dtype, *inputs)]
   if return_residual:
@@ -255,7 +256,8 @@ def paged_prefill_reference(query, k_pages, v_pages, key_value_seq_lengths, bloc
   """Plain JAX: gather the pages into contiguous caches (dequantized with their scales if
   given), then attend (materialises [B, N, T, S])."""
   if k_scale is not None:
-    k_pages, v_pages = dequantize_kv(k_pages, k_scale, query.dtype), dequantize_kv(v_pages, v_scale, query.dtype)
+    k_pages = dequantize_kv(k_pages, k_scale, query.dtype)
+    v_pages = dequantize_kv(v_pages, v_scale, query.dtype)
   batch, seq_q = query.shape[:2]
   capacity = block_table.shape[1] * k_pages.shape[1]
   kv_lengths = jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity)

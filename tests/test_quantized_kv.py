@@ -202,7 +202,8 @@ def test_paged_decode_matches_dequantized_reference(case, interpret, rng):
                                     return_residual=True, interpret=interpret)
   chex.assert_shape(out, q.shape)
   ref_out, ref_lse = attention_f64(q, gather_pages_np(_deq(k_pages, k_scale, q_dtype), clean),
-                                   gather_pages_np(_deq(v_pages, v_scale, q_dtype), clean), kv_lengths=np.asarray(lengths))
+                                   gather_pages_np(_deq(v_pages, v_scale, q_dtype), clean),
+                                   kv_lengths=np.asarray(lengths))
   assert_close(out, ref_out, q_dtype)
   assert_close(lse, ref_lse, FP32, what="lse")
 
@@ -294,7 +295,7 @@ def test_errors_name_the_arguments(rng):
   with pytest.raises(ValueError, match="k_cache is a quantized cache"):
     decode_attention(q, k_q, k_q, v_scale=k_scale)
   with pytest.raises(NotImplementedError, match="a quantized KV cache .* is not differentiable"):
-    jax.grad(lambda q: jaxflash.attention(q, k_q, k_q, k_scale=k_scale, v_scale=k_scale).astype(FP32).sum())(q)
+    jax.grad(lambda q: jaxflash.attention(q, k_q, k_q, k_scale=k_scale, v_scale=k_scale).sum())(q)
 
 
 # --------------------------------------------------------------------------- cache writes
@@ -313,7 +314,8 @@ def test_cache_writes_quantize(kv_dtype, rng):
   positions = jnp.asarray([5, -1, 23], jnp.int32)  # -1: a finished row writes nothing
   out = jaxflash.kv_cache_write(keys, values, k_new, v_new, positions, k_scale=k_scale, v_scale=v_scale)
   assert len(out) == 4
-  (k_want, ks_want), (v_want, vs_want) = jaxflash.quantize_kv(k_new, dtype), jaxflash.quantize_kv(v_new, dtype)
+  k_want, ks_want = jaxflash.quantize_kv(k_new, dtype)
+  v_want, vs_want = jaxflash.quantize_kv(v_new, dtype)
   for cache, scales, old, old_scales, want, want_scales in (
       (out[0], out[2], keys, k_scale, k_want, ks_want), (out[1], out[3], values, v_scale, v_want, vs_want)):
     expect = np.array(old.astype(FP32))

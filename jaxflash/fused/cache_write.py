@@ -121,10 +121,13 @@ def kv_cache_write(keys: jax.Array, values: jax.Array, k_new: jax.Array, v_new: 
   positions, block_table = check_cache_target(keys, values, k_new.shape[1:], batch, positions, block_table,
                                               quantized)
   if quantized:
-    (k_new, k_new_scale), (v_new, v_new_scale) = quantize_kv(k_new, keys.dtype), quantize_kv(v_new, values.dtype)
+    k_new, k_new_scale = quantize_kv(k_new, keys.dtype)
+    v_new, v_new_scale = quantize_kv(v_new, values.dtype)
     keys, values = _store(keys, values, k_new, v_new, positions, block_table, interpret=interpret)
-    k_scale, v_scale = kv_cache_write_reference(k_scale[..., None], v_scale[..., None], k_new_scale[..., None],
-                                                v_new_scale[..., None], positions, block_table=block_table)
+    # The scales: [K] floats a row, a scatter (the same writes and drops, one value per head).
+    k_scale, v_scale = kv_cache_write_reference(k_scale[..., None], v_scale[..., None],
+                                                k_new_scale[..., None], v_new_scale[..., None], positions,
+                                                block_table=block_table)
     return keys, values, k_scale[..., 0], v_scale[..., 0]
   return _store(keys, values, k_new, v_new, positions, block_table, interpret=interpret)
 

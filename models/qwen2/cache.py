@@ -228,7 +228,8 @@ class PagedCache:
     return PagedCache(key_pages=tuple(l.keys for l in layers),
                       value_pages=tuple(l.values for l in layers),
                       block_table=self.block_table, lengths=self.lengths + new_lengths,
-                      k_scales=_collect_scales(layers, "k_scale"), v_scales=_collect_scales(layers, "v_scale"))
+                      k_scales=_collect_scales(layers, "k_scale"),
+                      v_scales=_collect_scales(layers, "v_scale"))
 
   @property
   def tokens(self) -> int:
