@@ -106,6 +106,8 @@ def _zeros(shape, dtype, device, layers):
   buffers = tuple(jnp.zeros(shape, dtype, device=device) for _ in layers)
   if not is_quantized(dtype):
     return buffers, None
+  if device is not None:  # the buffers' NamedSharding without the head-dim axis
+    device = jax.sharding.NamedSharding(device.mesh, jax.sharding.PartitionSpec(*device.spec[:len(shape) - 1]))
   return buffers, tuple(jnp.zeros(shape[:-1], jnp.float32, device=device) for _ in layers)
 
 
