@@ -150,20 +150,21 @@ def test_decode_matches_dequantized_reference(case, interpret, rng):
 
 def test_long_context_accuracy(rng, capsys):
   """At 3000 tokens the quantized decode stays close to the float cache's exact answer (the
-  accumulation is float32 throughout): int8 within 3e-2, FP8 within 1e-1 of the output's
-  largest magnitude, against float64 on the unquantized cache (int8 steps are 1/254 of a
-  row's range, e4m3's 1/16 of a value; the errors measured are printed)."""
+  accumulation is float32 throughout): relative error (Frobenius norm, over every head) below
+  3e-2 for int8 and 1.5e-1 for FP8 against float64 on the unquantized cache, about twice the
+  largest over eight seeds (int8 ~1.5e-2, e4m3 ~7.7e-2: int8 steps are 1/254 of a row's
+  range, e4m3's up to 1/16 of a value). The errors measured are printed."""
   batch, capacity, heads, kv_heads, head_dim = 1, 3001, 5, 1, 64
   q = random_array(rng, (batch, 1, heads, head_dim), FP32, 2.0)  # peaked softmax: few keys dominate
   k = random_array(rng, (batch, capacity, kv_heads, head_dim), FP32)
   v = random_array(rng, (batch, capacity, kv_heads, head_dim), FP32)
   exact, _ = attention_f64(q, k, v)
-  for kv_dtype, bound in ((INT8, 3e-2), (FP8, 1e-1)):
+  for kv_dtype, bound in ((INT8, 3e-2), (FP8, 1.5e-1)):
     (k_q, k_scale), (v_q, v_scale) = jaxflash.quantize_kv(k, kv_dtype), jaxflash.quantize_kv(v, kv_dtype)
     out = jaxflash.attention(q, k_q, v_q, k_scale=k_scale, v_scale=v_scale)
-    err = np.abs(np.asarray(out, np.float64) - exact).max() / np.abs(exact).max()
+    err = np.linalg.norm(np.asarray(out, np.float64) - exact) / np.linalg.norm(exact)
     with capsys.disabled():
-      print(f"\n3001 tokens, {jnp.dtype(kv_dtype).name} KV: max error {err:.4f} of the output's range")
+      print(f"\n3001 tokens, {jnp.dtype(kv_dtype).name} KV: relative error {err:.4f}")
     assert err < bound, (jnp.dtype(kv_dtype).name, err)
     ref, _ = attention_f64(q, _deq(k_q, k_scale), _deq(v_q, v_scale))
     assert_close(out, ref, FP32)
