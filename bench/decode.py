@@ -16,6 +16,11 @@ d = 128, bf16, lengths = capacity). Sweeps: Flash-Decoding's chunk count (B=1 at
 
   python -m bench.decode [--quick] [--no-sweep] [--out DIR]    # GPU, <= ~7 min on an H200
   python -m bench.decode --smoke                               # tiny CPU run, interpret mode
+  python -m bench.decode --kv-dtypes int8,float8_e4m3fn        # + int8 / FP8 cache rows
+
+Quantized rows (--kv-dtypes): the same caches through jaxflash.quantize_kv, read by the same
+kernels; GB/s of the bytes actually read (one byte a value plus the float32 scale per token
+and KV head) and tokens/s against the bf16 cache at the same context (bf16 time / quantized time).
 """
 from __future__ import annotations
 
@@ -122,6 +127,50 @@ def pallas_paged(q, k_pages, v_pages, lengths, table):
         pages_per_compute_block=per_block, interpret=not has_gpu())
 
 
+def jaxflash_quantized(paged: bool):
+  """jaxflash's decode over a quantized cache: k, v are (values, scales) pairs."""
+  def run(q, k, v, lengths, *table):
+    from jaxflash.decode import decode_attention
+    from jaxflash.paged import paged_decode_attention
+    kernel = paged_decode_attention if paged else decode_attention
+    return kernel(q, k[0], v[0], lengths, *table, k_scale=k[1], v_scale=v[1])
+  return run
+
+
+def quantized_bytes(batch: int, length: int, kv_dtype) -> int:
+  """K and V bytes a quantized decode call reads: the values and their float32 scales."""
+  per_token = NUM_KV_HEADS * (HEAD_DIM * jnp.dtype(kv_dtype).itemsize + 4)
+  return batch * length * per_token * 2
+
+
+def bench_quantized(row, kv_dtypes, layer_sets, lengths, table, ceiling_gbs, limit, ref):
+  """Rows of jaxflash over int8 / FP8 caches (the same caches quantized), contiguous and
+  through `table` with pages of 16: GB/s of the bytes read and tokens/s over bf16's."""
+  import jaxflash
+  sites = len(layer_sets[0])
+  batch, capacity = row["batch"], row["context"]
+  for kv_dtype in kv_dtypes:
+    name = jnp.dtype(kv_dtype).name
+    quantize = jax.jit(lambda x, d=kv_dtype: jaxflash.quantize_kv(x, d))
+    sets = [[(q, quantize(k), quantize(v)) for q, k, v in ls] for ls in layer_sets]
+    nbytes = quantized_bytes(batch, capacity, kv_dtype)
+    group = {f"jaxflash_{name}": (jaxflash_quantized(False), sets, (lengths,))}
+    if table is not None:
+      paged = [[(q, *(tuple(to_pages(x, table, 16) for x in pair) for pair in (k, v))) for q, k, v in ls]
+               for ls in sets]
+      group[f"jaxflash_paged16_{name}"] = (jaxflash_quantized(True), paged, (lengths, jnp.asarray(table)))
+    for label, (attention, arg_sets, shared) in group.items():
+      timing = time_group({label: attention}, arg_sets, shared, limit, row).get(label)
+      record(row, label, timing, sites, nbytes, ceiling_gbs)
+      base = row.get(f"{label.replace('_' + name, '')}_us")
+      us = row.get(f"{label}_us")
+      row[f"{label}_tokens_over_bf16"] = base / us if base and us else None
+      if isinstance(timing, Timing):
+        row["max_abs_error"][label] = max_error(timing, ref)
+    del sets, group
+    free_memory()
+
+
 def over_layers(attention):
   """One compiled function over L layers: attention on each layer's own cache, in order."""
   def run(qs, ks, vs, *shared):
@@ -167,9 +216,9 @@ def random_block_table(batch: int, pages_per_seq: int, seed: int = 0) -> np.ndar
 def to_pages(cache, table: np.ndarray, page: int):
   """[B, S, K, H] cache -> [B * S / page, page, K, H] pool with pool[table[b, j]] holding
   tokens j * page ... of sequence b, so gathering the pool through `table` gives the cache."""
-  b, s, kh, h = cache.shape
+  b, s, *rest = cache.shape  # rest: [K, H], or [K] for a quantized cache's scales
   inverse = np.argsort(table.reshape(-1))
-  return cache.reshape(b * (s // page), page, kh, h)[jnp.asarray(inverse)]
+  return cache.reshape(b * (s // page), page, *rest)[jnp.asarray(inverse)]
 
 
 # ----------------------------------------------------------------------------- one row
@@ -228,7 +277,8 @@ def record(row, name: str, timing, sites: int, nbytes: int, ceiling_gbs, kernel_
   return row[f"{name}_gbs"]
 
 
-def bench_row(batch: int, capacity: int, plan, ceiling_gbs, limit, sweeps: dict) -> tuple[dict, list, list]:
+def bench_row(batch: int, capacity: int, plan, ceiling_gbs, limit, sweeps: dict,
+              kv_dtypes=()) -> tuple[dict, list, list]:
   sites, nsets = plan
   nbytes = cache_bytes(batch, capacity)
   row = {"batch": batch, "context": capacity, "layers": sites * nsets, "layers_per_call": sites,
@@ -286,6 +336,9 @@ def bench_row(batch: int, capacity: int, plan, ceiling_gbs, limit, sweeps: dict)
         row["max_abs_error"][name] = max_error(timings[name], ref)
     del paged_sets, timings
     free_memory()
+  if kv_dtypes:
+    table16 = random_block_table(batch, capacity // 16, seed=16) if capacity % 16 == 0 else None
+    bench_quantized(row, kv_dtypes, layer_sets, lengths, table16, ceiling_gbs, limit, ref)
 
   jf = row.get("jaxflash_gbs")
   for key, num, den in (("jf_over_cudnn", jf, row.get("cudnn_gbs")),
@@ -332,6 +385,8 @@ def parse_args(argv=None):
                       quick="fewer rows", sweep=True)
   p.add_argument("--min-mib", type=float, default=512.0, help="caches per row, MiB (cold reads)")
   p.add_argument("--rows", default=None, help="comma-separated BxCONTEXT subset, e.g. 1x1024,1x4096")
+  p.add_argument("--kv-dtypes", default="",
+                 help="comma-separated quantized cache dtypes to add rows for: int8, float8_e4m3fn")
   p.add_argument("--max-sites", type=int, default=64,
                  help="layers per compiled call (more rotate between argument sets)")
   return p.parse_args(argv)
@@ -357,6 +412,7 @@ def main(argv=None):
     ceiling_args = dict(matmul_n=8192, hbm_gib=4.0)
   if args.rows:
     rows_spec = [tuple(int(n) for n in spec.split("x")) for spec in args.rows.split(",")]
+  kv_dtypes = tuple(jnp.dtype(name) for name in args.kv_dtypes.split(",") if name)
   meta, out_dir = begin_run("decode", args, **ceiling_args)
   ceiling = meta["ceilings"].get("hbm_read_gbs")
   meta.update(
@@ -388,7 +444,7 @@ def main(argv=None):
       sweeps["paged_configs"] = paged_configs
     log(f"[{limit.elapsed():6.1f}s] B={batch} context={capacity}: {plan[0]} layers x {plan[1]} sets, "
         f"{plan[0] * plan[1] * cache_bytes(batch, capacity) / MIB:.0f} MiB")
-    got, err = try_call(bench_row, batch, capacity, plan, ceiling, limit, sweeps)
+    got, err = try_call(bench_row, batch, capacity, plan, ceiling, limit, sweeps, kv_dtypes)
     if err:
       notes.append(f"B={batch} context={capacity}: row failed: {err[:300]}")
       log(f"  row failed: {err}")
@@ -403,14 +459,15 @@ def main(argv=None):
       if not isinstance(e, float) or e > 0.05:
         notes.append(f"B={batch} context={capacity} {LABELS.get(name, name)}: max abs error vs float32 = {e}")
     log("  " + ", ".join(f"{name} {format_value(row.get(f'{name}_gbs'))}" for name in IMPLS))
-    write_results("decode", rows, meta, main_columns(), out_dir=out_dir, notes=notes,
+    write_results("decode", rows, meta, main_columns(kv_dtypes), out_dir=out_dir, notes=notes,
                   extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
 
   plot = {"x": "context", "y": [f"{n}_gbs" for n in IMPLS], "logx": True,
           "labels": {f"{n}_gbs": LABELS[n] for n in IMPLS}, "where": lambda r: r["batch"] == 1,
           "xlabel": "context (batch 1)", "ylabel": "GB/s of K+V (device time)",
           "title": "Decode, 12 q heads / 2 kv heads, d=128, bf16", "hline": (ceiling, "HBM read ceiling")}
-  paths = write_results("decode", rows, meta, main_columns(), plot=plot, out_dir=out_dir, notes=notes,
+  paths = write_results("decode", rows, meta, main_columns(kv_dtypes), plot=plot, out_dir=out_dir,
+                        notes=notes,
                         extra={"splits_sweep": split_rows, "paged_stages_sweep": stage_rows})
   write_sweeps(split_rows, stage_rows, meta, ceiling, stage_context, out_dir)
 
@@ -431,11 +488,17 @@ def main(argv=None):
       (f"{n}_gbs", n.replace("jaxflash", "jf").replace("pallas", "pl")) for n in IMPLS]))
 
 
-def main_columns():
+def main_columns(kv_dtypes=()):
   cols = [("batch", "B"), ("context", "context"), ("layers", "L")]
   cols += [(lambda r, n=n: value_with_pct(r, f"{n}_gbs", f"{n}_pct"), LABELS[n]) for n in IMPLS]
   cols += [("jf_over_cudnn", "jaxflash / cuDNN", "{:.2f}"),
            ("paged16_over_contiguous", "paged 16 / contiguous", "{:.3f}")]
+  for kv_dtype in kv_dtypes:  # GB/s of the bytes read, and tokens/s over the bf16 cache's
+    for prefix, label in (("jaxflash", "jaxflash"), ("jaxflash_paged16", "paged 16")):
+      n = f"{prefix}_{jnp.dtype(kv_dtype).name}"
+      title = f"{label} {jnp.dtype(kv_dtype).name}"
+      cols += [(lambda r, n=n: value_with_pct(r, f"{n}_gbs", f"{n}_pct"), title),
+               (f"{n}_tokens_over_bf16", f"{title} tokens/s / bf16", "{:.2f}")]
   return cols
 
 

@@ -76,11 +76,13 @@ def random_prompts(shape: Shape, vocab: int, seed: int = 0) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- jaxflash / XLA / cuDNN
 
-def bench_jax(model, shape: Shape, impl: str, cache_kind: str, page_size: int = 16) -> dict:
-  """Prefill and decode through models.qwen2's jitted steps for one (shape, attention, cache)."""
+def bench_jax(model, shape: Shape, impl: str, cache_kind: str, page_size: int = 16,
+              kv_dtype: str | None = None) -> dict:
+  """Prefill and decode through models.qwen2's jitted steps for one (shape, attention, cache);
+  kv_dtype "int8" / "float8_e4m3fn" for a quantized KV cache."""
   from models.qwen2 import PageAllocator, Sampler, SamplingParams
 
-  sampler = Sampler(model, cache=cache_kind, page_size=page_size, attention_impl=impl)
+  sampler = Sampler(model, cache=cache_kind, page_size=page_size, attention_impl=impl, kv_dtype=kv_dtype)
   prompts = random_prompts(shape, model.config.vocab_size)
   tokens = jnp.asarray(prompts)
   lengths = jnp.full((shape.batch,), shape.prompt, jnp.int32)
@@ -332,6 +334,8 @@ def parse_args(argv=None):
   p.add_argument("--loop-sweep", default=None, metavar="COUNTS",
                  help="only sweep the generate loop's decode steps per dispatch, e.g. 1,2,4,8,16 "
                       "(writes generate_loop_sweep.*)")
+  p.add_argument("--kv-dtype", choices=("int8", "float8_e4m3fn"), default=None,
+                 help="keep the jaxflash / xla rows' KV cache quantized (unset: the model's dtype)")
   p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -367,6 +371,8 @@ def main(argv=None):
   model = qwen2.random_model(config, seed=0, dtype=dtype)
   weights = model_bytes(model)
   itemsize = jnp.dtype(model.dtype).itemsize
+  if args.kv_dtype:  # one byte a value, and a float32 scale per token and KV head
+    itemsize = jnp.dtype(args.kv_dtype).itemsize + 4 / config.head_dim
   log(f"[{budget.elapsed():6.1f}s] model: {weights / 1e9:.2f} GB of {dtype} weights")
 
   if args.loop_sweep:
@@ -378,16 +384,17 @@ def main(argv=None):
     base = dict(batch=shape.batch, prompt=shape.prompt, new_tokens=shape.new_tokens,
                 weights_gb=weights / 1e9, kv_read_gb=kv / 1e9, floor_ms=floor_ms)
     cases = [(label, impl, cache) for label, impl, cache in IMPLS if label in wanted]
-    if not has_gpu():
+    if not has_gpu() or args.kv_dtype:  # cuDNN reads no quantized cache
       cases = [c for c in cases if c[1] != "cudnn"]
     for label, impl, cache in cases:
       if budget.exhausted():
         notes.append(f"{label} B={shape.batch} prompt={shape.prompt}: skipped (time budget)")
         continue
       log(f"[{budget.elapsed():6.1f}s] {label} B={shape.batch} prompt={shape.prompt}")
-      got, err = try_call(bench_jax, model, shape, impl, cache)
+      got, err = try_call(bench_jax, model, shape, impl, cache, kv_dtype=args.kv_dtype)
       free_memory()
-      rows.append({**base, "impl": label, "cache": cache, **(got or {"error": err})})
+      rows.append({**base, "impl": label, "cache": cache, "kv_dtype": args.kv_dtype or dtype,
+                   **(got or {"error": err})})
       log(f"  {got or err}")
     if hf_rows.get(shape_key(shape)):
       rows.append({**base, "impl": "HF transformers (sdpa)", "cache": "HF DynamicCache",
@@ -410,7 +417,8 @@ def main(argv=None):
       "Everything else (projections, MLP, norms, sampling: greedy) is the same jitted model code.",
   ]
   columns = [("batch", "B"), ("prompt", "prompt"), ("impl", "attention"), ("cache", "cache"),
-             ("prefill_ms", "prefill ms"), ("decode_ms_step", "decode ms/step (median)"),
+             ("kv_dtype", "KV dtype"), ("prefill_ms", "prefill ms"),
+             ("decode_ms_step", "decode ms/step (median)"),
              ("tokens_per_s", "tokens/s"), ("pipelined_ms_step", "pipelined ms/step"),
              ("loop_ms_step", "generate loop ms/step"),
              ("step_device_ms", "step device ms"), ("kernels_per_step", "kernels/step", "{:.0f}"),

@@ -22,10 +22,14 @@ def check_float(name: str, x) -> None:
     raise TypeError(f"{name} must be bfloat16, float16 or float32, got {_describe(x)}")
 
 
-def check_qkv(query, key, value, *, key_name: str = "key", value_name: str = "value") -> None:
-  """query [B, T, N, H]; key, value [B, S, K, H] (or pages [P, page, K, H]) with N % K == 0."""
+def check_qkv(query, key, value, *, key_name: str = "key", value_name: str = "value",
+              quantized: bool = False) -> None:
+  """query [B, T, N, H]; key, value [B, S, K, H] (or pages [P, page, K, H]) with N % K == 0.
+  `quantized`: key and value are a quantized cache whose dtype and scales
+  `jaxflash.quantize.check_scales` checked."""
   for name, x in (("query", query), (key_name, key), (value_name, value)):
-    check_float(name, x)
+    if not (quantized and name != "query"):
+      check_float(name, x)
     if x.ndim != 4:
       raise ValueError(f"{name} must have rank 4 ([B, T, N, H] / [B, S, K, H]), got {_describe(x)}")
   if key.shape != value.shape:

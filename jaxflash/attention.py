@@ -13,6 +13,7 @@ import numpy as np
 from jaxflash import _checks, configs, segments, sharding, vjp
 from jaxflash._types import Array, ArrayLike, AttentionResult, Lengths, Scale, Window
 from jaxflash._triton import use_interpret
+from jaxflash.quantize import check_scales, dequantize_kv, is_quantized
 from jaxflash.reference import attention_reference, gather_pages, visible_keys
 from jaxflash.score_mods import ScoreMods
 
@@ -33,7 +34,8 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
               implementation: str | None = None, causal_alignment: str = "top_left",
               logits_soft_cap: float | None = None, sinks: Array | None = None,
               segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
-              backward_implementation: str | None = None) -> AttentionResult:
+              backward_implementation: str | None = None,
+              k_scale: Array | None = None, v_scale: Array | None = None) -> AttentionResult:
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s arguments and values.
 
   Shapes: query [B, T, N, H] (or [T, N, H]); key/value [B, S, K, H] (or [S, K, H]) with
@@ -90,12 +92,32 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
   and KV heads K over the same mesh axes); each device runs the kernel on its shard, with
   no collective (jaxflash.sharding). Inside `jax.shard_map` the kernel runs per device.
+
+  Quantized caches: key/value int8 or float8_e4m3fn (`jaxflash.quantize_kv`) with k_scale /
+  v_scale float32 of their shape without H ([B, S, K], or [P, page, K] for pages). The
+  split-KV decode, the paged decode and the paged prefill (T > 1, bottom-right) dequantize
+  each tile after its load; other calls dequantize the cache first. Not differentiable.
   """
   implementation = _check_implementation(implementation)
   vjp.check_backward_implementation(backward_implementation)
   _checks.check_float("query", query)
   mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
+  if any(x is not None for x in (k_scale, v_scale)) or is_quantized(key) or is_quantized(value):
+    if implementation in ("cudnn", "mosaic"):
+      raise NotImplementedError(f"implementation={implementation!r} does not read quantized KV caches "
+                                "(k_scale/v_scale); use implementation=None, 'triton' or 'xla'")
+    check_scales(key, value, k_scale, v_scale)
+    implementation = implementation or "triton"
+    static_scale = None if implementation == "xla" else _concrete_scale(scale, query.shape[-1])
+    if scale is not None:
+      scale = jnp.asarray(scale, jnp.float32)
+    run = _not_differentiable(functools.partial(
+        _quantized_attention, mods=mods, static_scale=static_scale, return_residual=bool(return_residual),
+        implementation=implementation), "a quantized KV cache (k_scale/v_scale)",
+        "dequantize it (jaxflash.dequantize_kv) to differentiate through the cache's values")
+    return run(query, key, value, k_scale, v_scale, bias, mask, scale, query_seq_lengths,
+               key_value_seq_lengths, block_table, sinks)
   if implementation is None or implementation == "mosaic":
     reason = mosaic_reason(query, key, value, query_seq_lengths, key_value_seq_lengths,
                            block_table, bias, mask, sinks, scale=scale, mods=mods,
@@ -443,6 +465,63 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
   return _finish(result, return_residual, unbatched)
 
 
+@functools.partial(jax.jit, static_argnames=("mods", "static_scale", "return_residual",
+                                             "implementation"))
+def _quantized_attention(query, key, value, k_scale, v_scale, bias, mask, scale, query_seq_lengths,
+                         key_value_seq_lengths, block_table, sinks, *, mods: ScoreMods,
+                         static_scale: float | None, return_residual: bool, implementation: str):
+  """`attention` over a quantized cache (checked by check_scales): the decode kernels and the
+  paged prefill dequantize tile by tile; every other call dequantizes the cache and runs
+  `_attention`'s path for it."""
+  unbatched = query.ndim == 3
+  if unbatched:
+    if block_table is not None or query_seq_lengths is not None or key_value_seq_lengths is not None:
+      raise ValueError("block_table and sequence lengths need batched inputs: query [B, T, N, H]")
+    query, key, value, k_scale, v_scale = (x[None] for x in (query, key, value, k_scale, v_scale))
+  _checks.check_qkv(query, key, value, quantized=True)
+  batch, t, num_heads, head_dim = query.shape
+  q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
+  kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  paged = block_table is not None
+  if paged:
+    block_table = _checks.check_block_table(block_table, batch)
+    _checks.check_page_size(key.shape[1])
+    if kv_lengths is None:
+      raise ValueError("block_table needs key_value_seq_lengths: the valid tokens per sequence")
+    seq_kv = block_table.shape[1] * key.shape[1]
+  else:
+    _checks.check_same_batch(query, key)
+    seq_kv = key.shape[1]
+  scores_shape = (batch, num_heads, t, seq_kv)
+  options = dict(bias=_checks.check_bias(bias, scores_shape), mask=_checks.check_mask(mask, scores_shape),
+                 sinks=_checks.check_sinks(sinks, num_heads))
+  scales = dict(k_scale=k_scale, v_scale=v_scale)
+  # Interpreted inside jax.shard_map, only the float prefill path serves (as in _attention).
+  own_kernels = not (sharding.manual_axes() and use_interpret())
+  kernels = implementation == "triton" and static_scale is not None and own_kernels
+  if kernels and _decode_semantics(query, q_lengths, mods):
+    from jaxflash.decode import decode_attention
+    from jaxflash.paged import paged_decode_attention
+    static = dict(scale=static_scale, local_window_size=mods.window, logits_soft_cap=mods.logits_soft_cap,
+                  return_residual=True)
+    if paged:
+      result = paged_decode_attention(query, key, value, kv_lengths, block_table, **options, **static,
+                                      **scales)
+    else:
+      result = decode_attention(query, key, value, kv_lengths, **options, **static, **scales)
+  elif kernels and paged and _paged_prefill_serves(mods, static_scale, options):
+    from jaxflash.paged_prefill import paged_prefill_attention
+    result = paged_prefill_attention(query, key, value, kv_lengths, block_table, q_lengths,
+                                     scale=static_scale, is_causal=mods.is_causal, return_residual=True,
+                                     **scales)
+  else:  # no kernel reads this call's quantized cache: dequantize it, then the float path
+    key, value = dequantize_kv(key, k_scale, query.dtype), dequantize_kv(value, v_scale, query.dtype)
+    result = _attention(query, key, value, options["bias"], options["mask"], scale, q_lengths, kv_lengths,
+                        block_table, options["sinks"], mods=mods, static_scale=static_scale,
+                        return_residual=True, implementation=implementation)
+  return _finish(result, return_residual, unbatched)
+
+
 def _paged_prefill_serves(mods: ScoreMods, static_scale, options) -> bool:
   """Whether jaxflash.paged_prefill_attention computes this call: bottom-right causal (or no
   causal mask), a compile-time scale and no other option."""
@@ -499,15 +578,15 @@ def _differentiable(forward, query, key, value, options, *, mods: ScoreMods, bac
                            return_residual=True)
 
 
-def _not_differentiable(fn, path: str):
-  """fn, raising NotImplementedError (naming `path`) where JAX would differentiate it."""
+def _not_differentiable(fn, path: str, hint: str = "differentiate a contiguous cache or the prefill path, "
+                                                   "or use implementation='xla'"):
+  """fn, raising NotImplementedError (naming `path`, then `hint`) where JAX would differentiate it."""
   wrapped = jax.custom_jvp(fn)
 
   def no_jvp(primals, tangents):
     del primals, tangents
     raise NotImplementedError(
-        f"jaxflash.attention: {path} is not differentiable; differentiate a contiguous cache "
-        "or the prefill path, or use implementation='xla'")
+        f"jaxflash.attention: {path} is not differentiable; {hint}")
 
   wrapped.defjvp(no_jvp)
   return wrapped

@@ -33,6 +33,7 @@ from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_mask
                               use_interpret)
 from jaxflash._util import dot_precision
 from jaxflash.configs import DecodeConfig
+from jaxflash.quantize import check_scales, dequantize_kv, dequantize_tile
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import soft_cap, window_size
 from jaxflash.sharding import result_struct
@@ -128,6 +129,8 @@ def _split_kv_kernel(
     q_ref,  # [B, N, H]
     k_ref,  # [B, S, K, H] cache, or [num_pages * page_size, K, H] pool rows
     v_ref,  # same as k_ref
+    k_scale_ref,  # k_ref's shape without H, float32: a quantized cache's scales; None (float cache)
+    v_scale_ref,  # same for v_ref
     o_ref,  # [B, chunks (+1 sink chunk), N, H] f32 partials, or [B, N, H] final (one chunk)
     lse_ref,  # [B, chunks (+1), N] f32 log2 partials, or [B, N] f32 natural-log final
     *,
@@ -176,7 +179,9 @@ def _split_kv_kernel(
   # R >= 16 rows, since tl.dot needs 16 rows; the padded rows load zeros and are never stored.
   q_mask = mask2d(rows < group, col_ok)
   q = load(q_ref.at[b, pl.ds(head0, query_rows), pl.ds(0, head_dim_p)], mask=q_mask, other=0.0)
-  q = q.astype(k_ref.dtype)
+  # A quantized cache is dequantized tile by tile into the query's dtype for the matmuls.
+  compute_dtype = k_ref.dtype if k_scale_ref is None else q_ref.dtype
+  q = q.astype(compute_dtype)
 
   def body(i, carry, *, masked: bool):
     tok0 = start + i * block_k
@@ -190,6 +195,9 @@ def _split_kv_kernel(
     kv_mask = mask2d(key_ok, col_ok)
     k = load_masked(k_ref.at[index], kv_mask)  # [block_k, Hp]
     v = load_masked(v_ref.at[index], kv_mask)
+    if k_scale_ref is not None:  # dequantized right after the load, in float32
+      k = dequantize_tile(k, load_scales(k_scale_ref, index, key_ok, block_k), compute_dtype)
+      v = dequantize_tile(v, load_scales(v_scale_ref, index, key_ok, block_k), compute_dtype)
     # Scale the fp32 scores, not the bf16 query: scaling q in bf16 costs accuracy (Writing an
     # Attention Kernel).
     s = dot(q, k, trans_b=True, precision=precision) * qk_scale  # [R, block_k], log2 units
@@ -250,6 +258,16 @@ def _split_kv_kernel(
   else:
     store(o_ref.at[b, c, head_rows, pl.ds(0, head_dim_p)], out, mask=out_mask)
     store(lse_ref.at[b, c, head_rows], lse2, mask=rows < group)
+
+
+def load_scales(scale_ref, index, key_ok, block_k: int):
+  """The scales [block_k, 1] float32 of the K/V tile at `index` (a tile index as the
+  addressers give it): the same index without its head-dim part. A gathered tile's token
+  index is a column [block_k, 1], a sliced one a range; masked keys load scale 0."""
+  token_index = index[:-1]
+  gathered = any(getattr(i, "ndim", 0) == 2 for i in token_index)
+  mask = None if key_ok is None else (key_ok[:, None] if gathered else key_ok)
+  return load_masked(scale_ref.at[token_index], mask).reshape(block_k, 1)
 
 
 def _contiguous_tile(block_k: int, head_dim_p: int):
@@ -368,10 +386,12 @@ class DecodeOptions(NamedTuple):
 
 def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_dtype, kv_heads: int,
                     capacity: int, options: DecodeOptions, num_splits: int | None,
-                    config: DecodeConfig, interpret: bool, name: str, merge: bool = True):
+                    config: DecodeConfig, interpret: bool, name: str, merge: bool = True,
+                    k_scale=None, v_scale=None):
   """Runs the split-KV kernel and, with more than one chunk, the combine.
 
-  query3 [B, N, H]; k_rows/v_rows the caches as the kernel indexes them.
+  query3 [B, N, H]; k_rows/v_rows the caches as the kernel indexes them; k_scale/v_scale
+  their scales (the same shapes without H) for a quantized cache, else None.
   Returns out [B, N, H] (out_dtype) and lse [B, N] float32 (natural log); without `merge`,
   the chunks' SplitKV instead (even for one chunk).
   """
@@ -382,7 +402,8 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
   if capacity == 0:  # an empty cache: nothing to attend to but the sinks
     return _empty(batch, num_heads, head_dim, out_dtype, options.sinks, merge=merge)
   group = num_heads // kv_heads
-  query_rows = configs.decode_query_rows(group, config, head_dim, k_rows.dtype)
+  compute_dtype = k_rows.dtype if k_scale is None else query3.dtype
+  query_rows = configs.decode_query_rows(group, config, head_dim, compute_dtype)
   row_blocks = pl.cdiv(group, query_rows)  # 1 unless the group has more than query_rows heads
   # Programs per sequence: one per (KV head, row block), before the chunks multiply them.
   chunk, splits = chunking(num_splits, batch, kv_heads * row_blocks, capacity, config.block_k,
@@ -392,7 +413,7 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
   slots = splits + int(options.sinks is not None)
   # Inside jax.shard_map the results vary over every manual axis the inputs do.
   inputs = (lengths, table, options.scale, options.sinks, options.bias, options.mask, query3,
-            k_rows, v_rows)
+            k_rows, v_rows, k_scale, v_scale)
   if final:  # one chunk: the kernel writes the answer itself and no combine runs
     out_shape = [result_struct((batch, num_heads, head_dim), out_dtype, *inputs),
                  result_struct((batch, num_heads), jnp.float32, *inputs)]
@@ -405,7 +426,7 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
       row_blocks=row_blocks, head_dim=head_dim, block_k=config.block_k, chunk=chunk, chunks=splits,
       capacity=capacity, scale=options.static_scale, window_left=window_left,
       soft_cap=options.soft_cap, bias_full=full(options.bias), mask_full=full(options.mask),
-      final=final, precision=dot_precision(k_rows.dtype))
+      final=final, precision=dot_precision(compute_dtype))
   with quiet():
     out, lse = pl.pallas_call(
         kernel,
@@ -414,7 +435,7 @@ def launch_split_kv(lengths, table, query3, k_rows, v_rows, *, tile_index, out_d
         compiler_params=CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=name,
-    )(lengths, table, options.scale, options.sinks, options.bias, options.mask, query3, k_rows, v_rows)
+    )(*inputs)
   if final:
     return out, lse
   if not merge:
@@ -518,7 +539,8 @@ def decode_attention(query: Array, k_cache: Array, v_cache: Array, key_value_seq
                      local_window_size: Window = None, logits_soft_cap: float | None = None,
                      sinks: Array | None = None, num_splits: int | None = None,
                      return_residual: bool = False, return_partials: bool = False,
-                     config: DecodeConfig | None = None, interpret: bool | None = None) -> DecodeResult:
+                     config: DecodeConfig | None = None, interpret: bool | None = None,
+                     k_scale: Array | None = None, v_scale: Array | None = None) -> DecodeResult:
   """Attention of one new token per sequence over a KV cache, split-KV (Flash-Decoding).
 
   query [B, 1, N, H]; k_cache, v_cache [B, S, K, H] (S = capacity) read in place;
@@ -545,11 +567,16 @@ def decode_attention(query: Array, k_cache: Array, v_cache: Array, key_value_seq
   sink included; -inf for a row that sees no key, whose output is zeros, or the sink's
   logit with sinks). With `return_partials=True` the chunks are not merged: their SplitKV
   comes back instead (with sinks its last chunk is the sink's), for `jaxflash.project_split_kv`.
+
+  A quantized cache (int8 or float8_e4m3fn, `jaxflash.quantize_kv`) comes with k_scale and
+  v_scale [B, S, K] float32; each tile is dequantized after its load, matmuls in the query's
+  dtype, accumulation in float32.
   """
   static_scale, traced_scale = _checks.split_scale(scale)
   if hasattr(k_cache, "shape") and k_cache.ndim == 4:  # concrete lengths: read before the jit
     _checks.check_length_values("key_value_seq_lengths", key_value_seq_lengths, k_cache.shape[1])
   return _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks,
+                           k_scale, v_scale,
                            scale=static_scale, local_window_size=window_size(local_window_size),
                            logits_soft_cap=soft_cap(logits_soft_cap), num_splits=num_splits,
                            return_residual=return_residual, return_partials=return_partials,
@@ -557,11 +584,12 @@ def decode_attention(query: Array, k_cache: Array, v_cache: Array, key_value_seq
 
 
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
-def _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks, *,
-                      scale, local_window_size, logits_soft_cap, num_splits, return_residual,
-                      return_partials, config, interpret):
+def _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask, traced_scale, sinks,
+                      k_scale, v_scale, *, scale, local_window_size, logits_soft_cap, num_splits,
+                      return_residual, return_partials, config, interpret):
   check_return_flags(return_residual, return_partials)
-  _checks.check_qkv(query, k_cache, v_cache, key_name="k_cache", value_name="v_cache")
+  quantized = check_scales(k_cache, v_cache, k_scale, v_scale, key_name="k_cache", value_name="v_cache")
+  _checks.check_qkv(query, k_cache, v_cache, key_name="k_cache", value_name="v_cache", quantized=quantized)
   batch, capacity, kv_heads, head_dim = k_cache.shape
   check_decode_query(query, batch, "k_cache")
   lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
@@ -570,7 +598,7 @@ def _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask
   options = decode_options(query, capacity, bias=bias, mask=mask, traced_scale=traced_scale, scale=scale,
                            sinks=sinks, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap)
-  config = resolve_config(config, head_dim, k_cache.dtype, paged=False)
+  config = resolve_config(config, head_dim, query.dtype if quantized else k_cache.dtype, paged=False)
   num_heads = query.shape[2]
 
   out = launch_split_kv(
@@ -578,14 +606,18 @@ def _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask
       tile_index=_contiguous_tile(config.block_k, configs.padded_head_dim(head_dim)),
       out_dtype=query.dtype, kv_heads=kv_heads, capacity=capacity, options=options,
       num_splits=num_splits, config=config, interpret=use_interpret(interpret), name="jaxflash_decode",
-      merge=not return_partials)
+      merge=not return_partials, k_scale=k_scale, v_scale=v_scale)
   return public_outputs(out, return_residual=return_residual)
 
 
 def decode_attention_reference(query, k_cache, v_cache, key_value_seq_lengths=None, *, bias=None,
                                mask=None, scale=None, local_window_size=None, logits_soft_cap=None,
-                               sinks=None):
-  """Plain-JAX decode with the same semantics (materialises the scores): for checking."""
+                               sinks=None, k_scale=None, v_scale=None):
+  """Plain-JAX decode with the same semantics (materialises the scores): for checking. A
+  quantized cache is dequantized with k_scale/v_scale first."""
+  if k_scale is not None:
+    k_cache = dequantize_kv(k_cache, k_scale, query.dtype)
+    v_cache = dequantize_kv(v_cache, v_scale, query.dtype)
   batch, capacity = k_cache.shape[:2]
   lengths = (jnp.full((batch,), capacity, jnp.int32) if key_value_seq_lengths is None
              else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity))

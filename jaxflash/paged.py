@@ -31,6 +31,7 @@ from jaxflash._triton import load, pl, use_interpret
 from jaxflash.configs import DecodeConfig
 from jaxflash.decode import (STATIC_ARGNAMES, check_decode_query, check_return_flags, decode_options,
                              launch_split_kv, public_outputs, resolve_config)
+from jaxflash.quantize import check_scales, dequantize_kv, quantize_kv
 from jaxflash.reference import attention_reference, gather_pages
 from jaxflash.score_mods import soft_cap, window_size
 
@@ -79,7 +80,8 @@ def paged_decode_attention(query: Array, k_pages: Array, v_pages: Array, key_val
                            logits_soft_cap: float | None = None, sinks: Array | None = None,
                            num_splits: int | None = None, return_residual: bool = False,
                            return_partials: bool = False, config: DecodeConfig | None = None,
-                           interpret: bool | None = None) -> DecodeResult:
+                           interpret: bool | None = None,
+                           k_scale: Array | None = None, v_scale: Array | None = None) -> DecodeResult:
   """Decode attention over a paged KV cache, split-KV.
 
   query [B, 1, N, H]; k_pages, v_pages [num_pages, page_size, K, H] (page_size a power of
@@ -101,7 +103,8 @@ def paged_decode_attention(query: Array, k_pages: Array, v_pages: Array, key_val
   `return_residual=True` also lse [B, 1, N] float32 (natural log, sink included; -inf for
   length 0, whose output is zeros). num_splits, config (default
   `jaxflash.decode_config(H, dtype, paged=True)`), return_partials and interpret as in
-  `decode_attention`.
+  `decode_attention`. A quantized pool (int8 or float8_e4m3fn) comes with k_scale and v_scale
+  [num_pages, page_size, K] float32, dequantized tile by tile as in `decode_attention`.
   """
   static_scale, traced_scale = _checks.split_scale(scale)
   if hasattr(k_pages, "shape") and k_pages.ndim == 4 and len(np.shape(block_table)) == 2:
@@ -112,6 +115,7 @@ def paged_decode_attention(query: Array, k_pages: Array, v_pages: Array, key_val
     _checks.check_table_values(block_table, key_value_seq_lengths, num_pages=num_pages, page_size=page_size)
   return _paged_decode_attention(
       query, k_pages, v_pages, key_value_seq_lengths, block_table, bias, mask, traced_scale, sinks,
+      k_scale, v_scale,
       scale=static_scale, local_window_size=window_size(local_window_size),
       logits_soft_cap=soft_cap(logits_soft_cap), num_splits=num_splits,
       return_residual=return_residual, return_partials=return_partials, config=config,
@@ -120,10 +124,12 @@ def paged_decode_attention(query: Array, k_pages: Array, v_pages: Array, key_val
 
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def _paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table, bias, mask,
-                            traced_scale, sinks, *, scale, local_window_size, logits_soft_cap, num_splits,
-                            return_residual, return_partials, config, interpret):
+                            traced_scale, sinks, k_scale, v_scale, *, scale, local_window_size,
+                            logits_soft_cap, num_splits, return_residual, return_partials, config,
+                            interpret):
   check_return_flags(return_residual, return_partials)
-  _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages")
+  quantized = check_scales(k_pages, v_pages, k_scale, v_scale, key_name="k_pages", value_name="v_pages")
+  _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages", quantized=quantized)
   num_pages, page_size, kv_heads, head_dim = k_pages.shape
   _checks.check_page_size(page_size)
   batch = query.shape[0]
@@ -139,19 +145,21 @@ def _paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
   options = decode_options(query, capacity, bias=bias, mask=mask, traced_scale=traced_scale, scale=scale,
                            sinks=sinks, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap)
-  config = resolve_config(config, head_dim, k_pages.dtype, paged=True)
+  config = resolve_config(config, head_dim, query.dtype if quantized else k_pages.dtype, paged=True)
   num_heads = query.shape[2]
   head_dim_p = configs.padded_head_dim(head_dim)
 
   # [num_pages, page, K, H] -> [num_pages * page, K, H]: a bitcast, the pool stays in place.
   k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
   v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+  scale_rows = [None if x is None else x.reshape(num_pages * page_size, kv_heads) for x in (k_scale, v_scale)]
   out = launch_split_kv(
       lengths, block_table, query.reshape(batch, num_heads, head_dim), k_rows, v_rows,
       tile_index=_paged_tile(config.block_k, page_size, num_pages, head_dim_p),
       out_dtype=query.dtype, kv_heads=kv_heads, capacity=capacity, options=options,
       num_splits=num_splits, config=config, interpret=use_interpret(interpret),
-      name="jaxflash_paged_decode", merge=not return_partials)
+      name="jaxflash_paged_decode", merge=not return_partials, k_scale=scale_rows[0],
+      v_scale=scale_rows[1])
   return public_outputs(out, return_residual=return_residual)
 
 
@@ -173,7 +181,8 @@ def block_table_is_valid(block_table, key_value_seq_lengths, *, num_pages: int, 
 
 
 def paged_kv_write(k_pages: Array, v_pages: Array, block_table: ArrayLike, start_positions: ArrayLike,
-                   k_new: Array, v_new: Array, new_lengths: Lengths = None) -> tuple[Array, Array]:
+                   k_new: Array, v_new: Array, new_lengths: Lengths = None, *,
+                   k_scale: Array | None = None, v_scale: Array | None = None) -> tuple[Array, ...]:
   """Writes new tokens into the pool through the block table (plain JAX).
 
   k_new, v_new [B, T, K, H] land at token positions start_positions[b] + t of sequence b:
@@ -182,9 +191,15 @@ def paged_kv_write(k_pages: Array, v_pages: Array, block_table: ArrayLike, start
   [0, num_pages) are dropped: they write nothing. Returns the updated (k_pages, v_pages);
   under jit with the pools donated the scatter updates them in place. Two tokens written
   to one slot leave either one.
+
+  A quantized pool (int8 or float8_e4m3fn) comes with its scale pools k_scale, v_scale
+  [num_pages, page_size, K] float32: the new tokens are quantized on the way in
+  (`jaxflash.quantize_kv`) and (k_pages, v_pages, k_scale, v_scale) come back.
   """
+  quantized = check_scales(k_pages, v_pages, k_scale, v_scale, key_name="k_pages", value_name="v_pages")
   for name, x in (("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new), ("v_new", v_new)):
-    _checks.check_float(name, x)
+    if not (quantized and name.endswith("pages")):
+      _checks.check_float(name, x)
     if x.ndim != 4:
       raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
   if k_pages.shape != v_pages.shape or k_new.shape != v_new.shape:
@@ -212,19 +227,28 @@ def paged_kv_write(k_pages: Array, v_pages: Array, block_table: ArrayLike, start
   # Dropped tokens aim one past the pool, which mode="drop" discards.
   row = jnp.where(keep, page * page_size + pos % page_size, num_pages * page_size).reshape(-1)
 
-  def write(pages, new):
-    rows = pages.reshape(num_pages * page_size, kv_heads, head_dim)
-    rows = rows.at[row].set(new.reshape(batch * num_new, kv_heads, head_dim).astype(pages.dtype),
+  def write(pages, new):  # pages [P, page, K, ...], new [B, T, K, ...]
+    rows = pages.reshape(num_pages * page_size, *pages.shape[2:])
+    rows = rows.at[row].set(new.reshape(batch * num_new, *new.shape[2:]).astype(pages.dtype),
                             mode="drop")
     return rows.reshape(pages.shape)
 
-  return write(k_pages, k_new), write(v_pages, v_new)
+  if not quantized:
+    return write(k_pages, k_new), write(v_pages, v_new)
+  k_q, k_new_scale = quantize_kv(k_new, k_pages.dtype)
+  v_q, v_new_scale = quantize_kv(v_new, v_pages.dtype)
+  return (write(k_pages, k_q), write(v_pages, v_q), write(k_scale, k_new_scale),
+          write(v_scale, v_new_scale))
 
 
 def paged_decode_attention_reference(query, k_pages, v_pages, key_value_seq_lengths, block_table, *,
                                      bias=None, mask=None, scale=None, local_window_size=None,
-                                     logits_soft_cap=None, sinks=None):
-  """Plain JAX: gather the pages into contiguous caches, then attend (for checking)."""
+                                     logits_soft_cap=None, sinks=None, k_scale=None, v_scale=None):
+  """Plain JAX: gather the pages into contiguous caches (dequantized with their scales if
+  given), then attend (for checking)."""
+  if k_scale is not None:
+    k_pages = dequantize_kv(k_pages, k_scale, query.dtype)
+    v_pages = dequantize_kv(v_pages, v_scale, query.dtype)
   capacity = block_table.shape[1] * k_pages.shape[1]
   lengths = jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity)
   table = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)

@@ -32,6 +32,8 @@ from jaxflash._types import Array, ArrayLike, AttentionResult, Lengths
 from jaxflash.configs import PrefillConfig
 from jaxflash.paged import _paged_tile
 from jaxflash.prefill import resolve_config
+from jaxflash.decode import load_scales
+from jaxflash.quantize import check_scales, dequantize_kv, dequantize_tile
 from jaxflash.reference import attention_reference, gather_pages
 from jaxflash.sharding import result_struct
 
@@ -45,6 +47,8 @@ def _paged_prefill_kernel(
     q_ref,  # [B, T, N, H]
     k_ref,  # [num_pages * page_size, K, H]: the pool's rows
     v_ref,  # [num_pages * page_size, K, H]
+    k_scale_ref,  # [num_pages * page_size, K] float32: a quantized pool's scales; None (float pool)
+    v_scale_ref,  # same for v_ref
     o_ref,  # [B, T, N, H]
     lse_ref,  # [B, T, N] float32 natural-log log-sum-exp (None: not requested)
     *,
@@ -78,7 +82,8 @@ def _paged_prefill_kernel(
   col_mask = None if head_dim == head_dim_padded else jnp.arange(head_dim_padded) < head_dim
   q_index = (b, pl.ds(q_start, block_q), n, pl.ds(0, head_dim_padded))
 
-  compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+  # A quantized pool is dequantized tile by tile into the query's dtype for the matmuls.
+  compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype) if k_scale_ref is None else q_ref.dtype
   dot_kwargs = dict(precision=dot_precision(compute_dtype))
   q = load_masked(q_ref.at[q_index], mask2d(row_valid, col_mask, (block_q, head_dim_padded)))
   q = q.astype(compute_dtype)
@@ -106,6 +111,8 @@ def _paged_prefill_kernel(
     index = tile_index(table_ref, b, kv_head, kv_start, key_ok)
     kv_mask = mask2d(key_ok, col_mask, (block_k, head_dim_padded))
     k = load_masked(k_ref.at[index], kv_mask)
+    if k_scale_ref is not None:  # dequantized right after the load, in float32
+      k = dequantize_tile(k, load_scales(k_scale_ref, index, key_ok, block_k), compute_dtype)
     s = dot(q, k.astype(compute_dtype), trans_b=True, **dot_kwargs) * qk_scale
     if masked:
       if is_causal:
@@ -120,7 +127,10 @@ def _paged_prefill_kernel(
     alpha = exp2(m_i - m_new_safe, approx=approx_exp2)
     p = exp2(s - m_new_safe[:, None], approx=approx_exp2)  # [block_q, block_k]
     l_i = l_i * alpha + jnp.sum(p, axis=1)
-    v = load_masked(v_ref.at[index], kv_mask).astype(compute_dtype)
+    v = load_masked(v_ref.at[index], kv_mask)
+    if v_scale_ref is not None:
+      v = dequantize_tile(v, load_scales(v_scale_ref, index, key_ok, block_k), compute_dtype)
+    v = v.astype(compute_dtype)
     acc = acc * alpha[:, None] + dot(p.astype(compute_dtype), v, **dot_kwargs)
     return acc, m_new, l_i
 
@@ -154,7 +164,8 @@ def paged_prefill_attention(query: Array, k_pages: Array, v_pages: Array, key_va
                             block_table: ArrayLike, query_seq_lengths: Lengths = None, *,
                             scale: float | None = None, is_causal: bool = True,
                             return_residual: bool = False, config: PrefillConfig | None = None,
-                            interpret: bool | None = None) -> AttentionResult:
+                            interpret: bool | None = None,
+                            k_scale: Array | None = None, v_scale: Array | None = None) -> AttentionResult:
   """FlashAttention-2 forward pass for new tokens over a paged KV cache.
 
   query [B, T, N, H]: T_b = query_seq_lengths[b] new tokens of sequence b (default T; rows
@@ -173,6 +184,8 @@ def paged_prefill_attention(query: Array, k_pages: Array, v_pages: Array, key_va
   [B, T, N, H] in the query's dtype, and with `return_residual` also the natural-log LSE
   [B, T, N] float32. config: tiles, warps and stages (default
   `jaxflash.prefill_config(H, dtype)`); interpret as for `prefill_attention`.
+  A quantized pool (int8 or float8_e4m3fn) comes with k_scale and v_scale
+  [num_pages, page_size, K] float32, dequantized tile by tile after the load.
   """
   is_causal = _checks.check_bool("is_causal", is_causal)  # static in the jit: hashed first
   if len(np.shape(block_table)) == 2 and len(np.shape(k_pages)) == 4:  # read before the jit
@@ -183,7 +196,8 @@ def paged_prefill_attention(query: Array, k_pages: Array, v_pages: Array, key_va
     _checks.check_length_values("query_seq_lengths", query_seq_lengths, np.shape(query)[1])
   return _paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table,
                                   query_seq_lengths, scale=scale, is_causal=is_causal,
-                                  return_residual=return_residual, config=config, interpret=interpret)
+                                  return_residual=return_residual, config=config, interpret=interpret,
+                                  k_scale=k_scale, v_scale=v_scale)
 
 
 @functools.partial(
@@ -191,8 +205,9 @@ def paged_prefill_attention(query: Array, k_pages: Array, v_pages: Array, key_va
 def _paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, block_table,
                              query_seq_lengths=None, *, scale=None, is_causal=True,
                              return_residual=False, config: PrefillConfig | None = None,
-                             interpret: bool | None = None):
-  _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages")
+                             interpret: bool | None = None, k_scale=None, v_scale=None):
+  quantized = check_scales(k_pages, v_pages, k_scale, v_scale, key_name="k_pages", value_name="v_pages")
+  _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages", quantized=quantized)
   batch, seq_q, num_heads, head_dim = query.shape
   num_pages, page_size, kv_heads, _ = k_pages.shape
   _checks.check_page_size(page_size)
@@ -208,7 +223,8 @@ def _paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, blo
   if num_pages == 0:
     raise ValueError(f"the pool needs at least one page, got k_pages {tuple(k_pages.shape)}")
   scale = _checks.default_scale(scale, head_dim)
-  config = resolve_config(config, head_dim, jnp.promote_types(query.dtype, k_pages.dtype))
+  compute_dtype = query.dtype if quantized else jnp.promote_types(query.dtype, k_pages.dtype)
+  config = resolve_config(config, head_dim, compute_dtype)
 
   capacity = block_table.shape[1] * page_size
   if 0 in (batch, seq_q, num_heads, head_dim) or capacity == 0:
@@ -230,13 +246,15 @@ def _paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, blo
   if not return_residual:
     kernel = _without_lse(kernel)
 
-  inputs = (q_lengths, kv_lengths, block_table, query, k_pages, v_pages)
-  out_shape = [result_struct(query.shape, query.dtype, *inputs)]
-  if return_residual:
-    out_shape.append(result_struct((batch, seq_q, num_heads), jnp.float32, *inputs))
   # [P, page, K, H] -> [P * page, K, H]: a bitcast, the pool is read in place.
   k_rows = k_pages.reshape(num_pages * page_size, kv_heads, head_dim)
   v_rows = v_pages.reshape(num_pages * page_size, kv_heads, head_dim)
+  k_scale, v_scale = (None if x is None else x.reshape(num_pages * page_size, kv_heads)
+                      for x in (k_scale, v_scale))
+  inputs = (q_lengths, kv_lengths, block_table, query, k_rows, v_rows, k_scale, v_scale)
+  out_shape = [result_struct(query.shape, query.dtype, *inputs)]
+  if return_residual:
+    out_shape.append(result_struct((batch, seq_q, num_heads), jnp.float32, *inputs))
   # FLOPs of a full chunk over a full table: an upper bound (lengths are data).
   pairs = batch * num_heads * seq_q * capacity
   cost = pl.CostEstimate(flops=int(4 * pairs * head_dim), transcendentals=int(pairs),
@@ -253,14 +271,18 @@ def _paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, blo
         cost_estimate=cost,
         interpret=use_interpret(interpret),
         name="jaxflash_paged_prefill",
-    )(q_lengths, kv_lengths, block_table, query, k_rows, v_rows)
+    )(*inputs)
   return tuple(results) if return_residual else results[0]
 
 
 def paged_prefill_reference(query, k_pages, v_pages, key_value_seq_lengths, block_table,
                             query_seq_lengths=None, *, scale=None, is_causal=True,
-                            return_residual=False):
-  """Plain JAX: gather the pages into contiguous caches, then attend (materialises [B, N, T, S])."""
+                            return_residual=False, k_scale=None, v_scale=None):
+  """Plain JAX: gather the pages into contiguous caches (dequantized with their scales if
+  given), then attend (materialises [B, N, T, S])."""
+  if k_scale is not None:
+    k_pages = dequantize_kv(k_pages, k_scale, query.dtype)
+    v_pages = dequantize_kv(v_pages, v_scale, query.dtype)
   batch, seq_q = query.shape[:2]
   capacity = block_table.shape[1] * k_pages.shape[1]
   kv_lengths = jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, capacity)

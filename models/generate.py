@@ -90,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--attention", choices=names, default=None,
                       help="jaxflash.attention's implementation (none: the best kernel for the "
                       "device; xla: jaxflash's plain-JAX path; cudnn and mosaic: GPU only)")
+  from models.qwen2.cache import KV_DTYPES
+  parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                      help="keep the KV cache quantized, one float32 scale per token and KV head "
+                      "(unset: the model's dtype)")
   parser.add_argument("--steps-per-call", type=int, default=None,
                       help="decode steps per dispatch (none: models.qwen2's STEPS_PER_CALL, 8)")
   parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations (none: "
@@ -240,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
   per_call = {} if args.steps_per_call is None else dict(steps_per_call=args.steps_per_call)
   try:
     sampler = qwen2.Sampler(model, cache=args.cache, page_size=args.page_size,
-                            attention_impl=args.attention, **per_call)
+                            attention_impl=args.attention, kv_dtype=args.kv_dtype, **per_call)
   except ValueError as e:
     raise UserError(str(e)) from e
   options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -19,6 +19,7 @@ from jaxflash import _checks, configs
 from jaxflash._triton import load, mask2d, pl, quiet, store, use_interpret
 from jaxflash._util import next_power_of_2
 from jaxflash.paged import paged_kv_write
+from jaxflash.quantize import check_scales, quantize_kv
 
 
 def _write_kernel(positions_ref, *refs, paged: bool, capacity: int, page_size: int,
@@ -39,16 +40,19 @@ def _write_kernel(positions_ref, *refs, paged: bool, capacity: int, page_size: i
   heads, dims = pl.ds(0, heads_p), pl.ds(0, dim_p)
   in_range = mask2d(jnp.arange(heads_p) < kv_heads, jnp.arange(dim_p) < head_dim, (heads_p, dim_p))
   for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
-    new = load(new_ref.at[b, heads, dims], mask=in_range, other=0.0)
+    new = load(new_ref.at[b, heads, dims], mask=in_range, other=0)
     store(out_ref.at[row, heads, dims], new.astype(out_ref.dtype), mask=in_range & valid)
 
 
-def check_cache_target(keys, values, new_shape: tuple, batch: int, positions, block_table):
+def check_cache_target(keys, values, new_shape: tuple, batch: int, positions, block_table,
+                       quantized: bool = False):
   """Checks a one-token-per-sequence write of [K, H] rows (`new_shape`) for `batch`
   sequences into keys/values (contiguous [B, S, K, H] or pools [P, page, K, H] with
-  block_table [B, max_pages]); returns (positions, block_table) as int32."""
+  block_table [B, max_pages]; `quantized`: caches whose scales check_scales checked);
+  returns (positions, block_table) as int32."""
   for name, x in (("keys", keys), ("values", values)):
-    _checks.check_float(name, x)
+    if not quantized:
+      _checks.check_float(name, x)
   if keys.ndim != 4 or keys.shape != values.shape:
     raise ValueError(f"keys and values must be [B, S, K, H] caches or [P, page, K, H] pools of one "
                      f"shape, got keys {tuple(keys.shape)} and values {tuple(values.shape)}")
@@ -91,7 +95,8 @@ def cache_rows(positions_ref, table_ref, batch_rows, *, capacity: int, page_size
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def kv_cache_write(keys: jax.Array, values: jax.Array, k_new: jax.Array, v_new: jax.Array,
                    positions: jax.Array, *, block_table: jax.Array | None = None,
-                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                   interpret: bool | None = None, k_scale: jax.Array | None = None,
+                   v_scale: jax.Array | None = None) -> tuple[jax.Array, ...]:
   """Stores one token per sequence: k_new, v_new [B, K, H] at token position positions[b].
 
   keys/values: contiguous caches [B, S, K, H], or page pools [P, page, K, H] with
@@ -100,14 +105,36 @@ def kv_cache_write(keys: jax.Array, values: jax.Array, k_new: jax.Array, v_new: 
   table entry outside [0, P) writes nothing (so a finished sequence can pass -1). Returns
   the updated (keys, values); with them donated under jit the write is in place.
   interpret: Pallas interpret mode (default: when no GPU).
+
+  Quantized caches (int8 or float8_e4m3fn) come with their scale caches k_scale, v_scale
+  (the caches' shape without H, float32): the new rows are quantized on the way in
+  (`jaxflash.quantize_kv`; the kernel stores them, a scatter the few scales) and
+  (keys, values, k_scale, v_scale) come back.
   """
+  quantized = check_scales(keys, values, k_scale, v_scale, key_name="keys", value_name="values")
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     _checks.check_float(name, x)
   if k_new.shape != v_new.shape or k_new.ndim != 3:
     raise ValueError(f"k_new and v_new must be [B, K, H] of one shape, got k_new {tuple(k_new.shape)} "
                      f"and v_new {tuple(v_new.shape)}")
   batch = k_new.shape[0]
-  positions, block_table = check_cache_target(keys, values, k_new.shape[1:], batch, positions, block_table)
+  positions, block_table = check_cache_target(keys, values, k_new.shape[1:], batch, positions, block_table,
+                                              quantized)
+  if quantized:
+    k_new, k_new_scale = quantize_kv(k_new, keys.dtype)
+    v_new, v_new_scale = quantize_kv(v_new, values.dtype)
+    keys, values = _store(keys, values, k_new, v_new, positions, block_table, interpret=interpret)
+    # The scales: [K] floats a row, a scatter (the same writes and drops, one value per head).
+    k_scale, v_scale = kv_cache_write_reference(k_scale[..., None], v_scale[..., None],
+                                                k_new_scale[..., None], v_new_scale[..., None], positions,
+                                                block_table=block_table)
+    return keys, values, k_scale[..., 0], v_scale[..., 0]
+  return _store(keys, values, k_new, v_new, positions, block_table, interpret=interpret)
+
+
+def _store(keys, values, k_new, v_new, positions, block_table, *, interpret):
+  """The write kernel over checked arguments (k_new, v_new already in the caches' dtype if quantized)."""
+  batch = k_new.shape[0]
   paged = block_table is not None
   kv_heads, head_dim = keys.shape[2:]
   if batch == 0:

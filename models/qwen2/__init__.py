@@ -6,7 +6,7 @@
 The package runs from the repository checkout (the jaxflash wheel ships `jaxflash` only).
 """
 from models.qwen2.allocator import OutOfPagesError, PageAllocator
-from models.qwen2.cache import ContiguousCache, LayerKV, PagedCache
+from models.qwen2.cache import KV_DTYPES, ContiguousCache, LayerKV, PagedCache
 from models.qwen2.config import PRESETS, Qwen2Config
 from models.qwen2.model import Qwen2ForCausalLM
 from models.qwen2.parallel import TensorParallel, shard_model
@@ -21,5 +21,5 @@ __all__ = [
     "load_weights", "CheckpointError", "generate", "Sampler", "GenerationOutput", "step_functions",
     "StepFunctions", "SamplingParams", "sample_logits", "ContiguousCache", "PagedCache", "LayerKV",
     "PageAllocator", "OutOfPagesError", "shard_model", "TensorParallel", "StepPlan",
-    "DecodeWorkspace", "LoopState",
+    "DecodeWorkspace", "LoopState", "KV_DTYPES",
 ]

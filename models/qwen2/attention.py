@@ -35,18 +35,21 @@ from models.qwen2.rope import apply_rope
 
 def dot_product_attention(query, key, value, *, impl: str | None, is_causal: bool,
                           query_lengths=None, kv_lengths=None, block_table=None,
-                          local_window_size=None, segment_ids=None) -> jax.Array:
+                          local_window_size=None, segment_ids=None, k_scale=None,
+                          v_scale=None) -> jax.Array:
   """query [B, T, N, H]; key/value [B, S, K, H] or page pools [P, page, K, H] with block_table
   [B, max_pages]; lengths [B] int32 -> [B, T, N, H]. Causal is bottom-right per row: query t
   of row b sits at key position kv_lengths[b] - query_lengths[b] + t (FlashAttention's
   convention), so new tokens after a cached prefix see the prefix; local_window_size
   (left, right) keeps keys [p - left, p + right] of a query at position p; segment_ids [B, T]
-  (packed documents, no cache) keeps keys of the query's own document. The model's one
-  call into jaxflash.attention, so that the causal alignment is named in one place."""
+  (packed documents, no cache) keeps keys of the query's own document; k_scale/v_scale are a
+  quantized cache's scales. The model's one call into jaxflash.attention, so that the causal
+  alignment is named in one place."""
   return jaxflash.attention(query, key, value, is_causal=is_causal, query_seq_lengths=query_lengths,
                             key_value_seq_lengths=kv_lengths, block_table=block_table,
                             local_window_size=local_window_size, implementation=impl,
-                            causal_alignment="bottom_right", segment_ids=segment_ids)
+                            causal_alignment="bottom_right", segment_ids=segment_ids,
+                            k_scale=k_scale, v_scale=v_scale)
 
 
 class Attention(nnx.Module):
@@ -113,7 +116,8 @@ class Attention(nnx.Module):
                                   kv_lengths=lengths, local_window_size=window,
                                   segment_ids=segment_ids)
       return out.reshape(batch, steps, -1)
-    q = q.astype(kv.keys.dtype)
+    if not kv.scales:  # a quantized cache is dequantized into the query's dtype instead
+      q = q.astype(kv.keys.dtype)
     total = kv.lengths + new_lengths  # [B] tokens in the cache, the new ones included
     if steps == 1:
       # One new token sees every cached key in its window: the decode kernels need only the
@@ -121,19 +125,20 @@ class Attention(nnx.Module):
       if plan.split_kv:
         if kv.paged:
           return jaxflash.paged_decode_attention(q, kv.keys, kv.values, total, kv.block_table,
-                                                 local_window_size=window, return_partials=True)
+                                                 local_window_size=window, return_partials=True,
+                                                 **kv.scales)
         return jaxflash.decode_attention(q, kv.keys, kv.values, total, local_window_size=window,
-                                         return_partials=True)
+                                         return_partials=True, **kv.scales)
       out = dot_product_attention(q, kv.keys, kv.values, impl=impl, is_causal=False,
                                   kv_lengths=total, block_table=kv.block_table,
-                                  local_window_size=window)
+                                  local_window_size=window, **kv.scales)
       return out.reshape(batch, steps, -1)
     # A prompt, or a chunk of one, over the cache: the prefill kernel over the contiguous
     # cache, or the paged prefill kernel through the block table (with a window,
     # jaxflash.attention gathers the pages for the prefill kernel instead).
     out = dot_product_attention(q, kv.keys, kv.values, impl=impl, is_causal=True,
                                 query_lengths=new_lengths, kv_lengths=total,
-                                block_table=kv.block_table, local_window_size=window)
+                                block_table=kv.block_table, local_window_size=window, **kv.scales)
     return out.reshape(batch, steps, -1)
 
   def _fused_qkv(self, x, norm: RMSNorm, rope, kv: LayerKV | None, new_lengths, plan: StepPlan,

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash.fused import MAX_ROWS, SPLIT_KV_MAX_ROWS, LinearConfig
+from jaxflash.quantize import is_quantized
 from models.qwen2.linear import fits_skinny
 
 CACHE_WRITES = ("qkv", "kernel", "scatter")
@@ -97,12 +98,14 @@ class StepPlan:
     skinny = cache is not None and 0 < rows <= MAX_ROWS
     fused_qkv = skinny and one_device
     cache_write = "scatter"
+    quantized = cache is not None and is_quantized(cache.dtype)
     if decode and one_device:
-      cache_write = "qkv" if fused_qkv else "kernel"
+      # The q/k/v kernel stores float rows; a quantized cache is written by kv_cache_write.
+      cache_write = "qkv" if fused_qkv and not quantized else "kernel"
     o_proj = (config.num_attention_heads * config.head_dim, config.hidden_size)
     residual_norm = skinny and one_device and fits_skinny(o_proj)
     split_kv = (residual_norm and decode and rows <= SPLIT_KV_MAX_ROWS and attention_impl is None
-                and jnp.dtype(cache.dtype) == jnp.dtype(model.dtype))
+                and (quantized or jnp.dtype(cache.dtype) == jnp.dtype(model.dtype)))
     # The one-launch form finishes whole heads in a column block of LinearConfig().block_n.
     qkv_counters = cache_write == "qkv" and LinearConfig().block_n % config.head_dim == 0
     return cls(attention_impl=attention_impl, skinny=skinny, fused_qkv=fused_qkv,

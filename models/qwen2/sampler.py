@@ -39,7 +39,7 @@ from flax import nnx
 import jaxflash
 from jaxflash._util import next_power_of_2
 from models.qwen2.allocator import PageAllocator
-from models.qwen2.cache import ContiguousCache, KVCache, PagedCache
+from models.qwen2.cache import ContiguousCache, KVCache, PagedCache, cache_dtype
 from models.qwen2.model import Qwen2ForCausalLM
 from models.qwen2.plan import DecodeWorkspace, StepPlan
 from models.qwen2.sampling import SamplingParams, sample_logits
@@ -216,12 +216,14 @@ class Sampler:
   `jaxflash.attention`'s implementation, one of jaxflash.IMPLEMENTATIONS (None: the best
   kernel). steps_per_call: decode steps per dispatch (tokens reach `stream` in groups of
   this many). plan: the StepPlan of the decode steps (None: `StepPlan.build` for the batch;
-  benchmarks pass another one for A/B runs).
+  benchmarks pass another one for A/B runs). kv_dtype: "int8" or "float8_e4m3fn" for a
+  quantized KV cache (None: the model's dtype).
   """
 
   def __init__(self, model: Qwen2ForCausalLM, *, cache: str = "paged", page_size: int = 16,
                num_pages: int | None = None, attention_impl: str | None = None,
-               steps_per_call: int = STEPS_PER_CALL, plan: StepPlan | None = None):
+               steps_per_call: int = STEPS_PER_CALL, plan: StepPlan | None = None,
+               kv_dtype: str | None = None):
     if cache not in CACHE_KINDS:
       raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     if not isinstance(steps_per_call, int) or steps_per_call < 1:
@@ -233,6 +235,8 @@ class Sampler:
     self._step_counts: dict[int, jax.Array] = {}  # device scalars, one buffer per count
     self.config = model.config
     self.cache_dtype = model.dtype
+    self.kv_dtype = kv_dtype
+    cache_dtype(model.dtype, kv_dtype)  # a bad kv_dtype fails here, not at the first call
     graphdef, state = nnx.split(model)
     self.params, treedef = jax.tree.flatten(state)  # weights as a flat list of arrays
     self.steps = step_functions(graphdef, treedef)
@@ -281,9 +285,9 @@ class Sampler:
     if self.cache_kind == "paged":
       return PagedCache.create(self.config, batch, capacity, self.cache_dtype,
                                page_size=self.page_size, num_pages=self.num_pages,
-                               sharding=self.tensor_parallel)
+                               sharding=self.tensor_parallel, kv_dtype=self.kv_dtype)
     return ContiguousCache.create(self.config, batch, capacity, self.cache_dtype,
-                                  sharding=self.tensor_parallel)
+                                  sharding=self.tensor_parallel, kv_dtype=self.kv_dtype)
 
   def to_device(self, rows) -> jax.Array:
     """A host array with a leading batch dimension (tokens, lengths, a block table) on
@@ -410,7 +414,7 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_
              page_size: int = 16, num_pages: int | None = None, seed: int = 0,
              stream: Callable[[list[int | None]], bool | None] | None = None,
              attention_impl: str | None = None,
-             steps_per_call: int = STEPS_PER_CALL) -> list[list[int]]:
+             steps_per_call: int = STEPS_PER_CALL, kv_dtype: str | None = None) -> list[list[int]]:
   """Continues each prompt (a list of token ids; lengths may differ) by up to
   `max_new_tokens` tokens and returns the new tokens per prompt.
 
@@ -428,9 +432,11 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_
   finishes and its tokens are dropped). attention_impl: one of jaxflash.IMPLEMENTATIONS
   (None: the best kernel; "xla": jaxflash's plain-JAX path). steps_per_call: decode steps the device runs per
   dispatch (the last call may compute a few steps whose results are dropped).
-  max_new_tokens 0 returns empty lists.
+  max_new_tokens 0 returns empty lists. kv_dtype: "int8" or "float8_e4m3fn" keeps the KV
+  cache quantized (one float32 scale per token and KV head, about half of bf16's bytes);
+  None keeps it in the model's dtype.
   """
   sampler = Sampler(model, cache=cache, page_size=page_size, num_pages=num_pages,
-                    attention_impl=attention_impl, steps_per_call=steps_per_call)
+                    attention_impl=attention_impl, steps_per_call=steps_per_call, kv_dtype=kv_dtype)
   return sampler(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  eos_token_id=eos_token_id, seed=seed, stream=stream).tokens

@@ -64,7 +64,7 @@ def serve_requests(args, model, tokenizer, eos_ids, *, max_new: int, printable) 
   longest = max(len(ids) for ids in encoded) + max(int(item.get("max_new_tokens", max_new)) for item in items)
   window = min(model.config.max_position_embeddings, -(-longest // 256) * 256)
   engine = Engine(model, max_slots=args.slots, page_size=args.page_size, max_seq_len=window,
-                  attention_impl=args.attention)
+                  attention_impl=args.attention, kv_dtype=args.kv_dtype)
   start = time.perf_counter()
   handles, numbers = [], []  # accepted handles and their request (line) numbers
   for i, ((number, item), ids) in enumerate(zip(numbered, encoded)):

@@ -66,7 +66,7 @@ def step_function(graphdef, treedef):
                                                       workspace=workspace)
       last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]  # [lanes, hidden]
       logits.append(model.logits(last))
-      cache = dataclasses.replace(cache, key_pages=view.key_pages, value_pages=view.value_pages)
+      cache = dataclasses.replace(view, block_table=cache.block_table)  # the view's pools and scales
     cache = dataclasses.replace(cache, lengths=decode_cached)
     with jax.named_scope("decode"):
       hidden, cache, workspace = model.hidden_states(
@@ -99,14 +99,15 @@ class Engine:
   feeds at most (decodes first, prefill chunks share the rest). prefill_lanes: prefill
   chunks per step. chunked_prefill False: a prompt is fed in one piece. prefix_caching:
   reuse the pages of cached prefixes. min_chunk: the smallest chunk bucket (a power of two;
-  larger means fewer compilations, more padding). attention_impl: as for models.qwen2.generate.
+  larger means fewer compilations, more padding). attention_impl and kv_dtype: as for
+  models.qwen2.generate (an int8 / FP8 pool holds about twice bf16's tokens in its bytes).
   """
 
   def __init__(self, model: Qwen2ForCausalLM, *, max_slots: int = 8, page_size: int = 16,
                num_pages: int | None = None, max_seq_len: int | None = None,
                token_budget: int = 512, prefill_lanes: int = 2, chunked_prefill: bool = True,
                prefix_caching: bool = True, min_chunk: int = MIN_BUCKET,
-               attention_impl: str | None = None):
+               attention_impl: str | None = None, kv_dtype: str | None = None):
     config = model.config
     for name, value in (("max_slots", max_slots), ("token_budget", token_budget),
                         ("prefill_lanes", prefill_lanes)):
@@ -121,7 +122,7 @@ class Engine:
     self.max_slots, self.prefill_lanes, self.page_size = max_slots, prefill_lanes, page_size
     self.attention_impl = check_attention_impl(attention_impl)
     self.cache = PagedCache.create(config, max_slots, self.max_seq_len, model.dtype,
-                                   page_size=page_size, num_pages=num_pages)
+                                   page_size=page_size, num_pages=num_pages, kv_dtype=kv_dtype)
     self.workspace = DecodeWorkspace.create()
     self.max_pages = self.cache.block_table.shape[1]
     self.allocator = PageAllocator(self.cache.num_pages, page_size, max_slots, self.max_pages)
@@ -178,7 +179,8 @@ class Engine:
 
   @property
   def stats(self) -> dict:
-    return {**self.scheduler.stats, "compilations": self.compilations}
+    return {**self.scheduler.stats, "compilations": self.compilations, "pool_tokens": self.cache.tokens,
+            "pool_bytes": self.cache.nbytes, "kv_dtype": str(self.cache.dtype)}
 
   def warm_up(self) -> None:
     """Compiles the step for every chunk bucket (and the decode-only step) now, on inputs
