@@ -3,7 +3,6 @@ and the one registry of attention implementations (`IMPLEMENTATIONS`)."""
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import TYPE_CHECKING
 
 import jax
@@ -107,6 +106,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
     if implementation in ("cudnn", "mosaic"):
       raise NotImplementedError(f"implementation={implementation!r} does not read quantized KV caches "
                                 "(k_scale/v_scale); use implementation=None, 'triton' or 'xla'")
+    if segment_ids is not None or kv_segment_ids is not None:
+      raise NotImplementedError("segment_ids: packed documents are for prefill; a quantized KV cache "
+                                "(k_scale/v_scale) does not take them")
     check_scales(key, value, k_scale, v_scale)
     implementation = implementation or "triton"
     static_scale = None if implementation == "xla" else _concrete_scale(scale, query.shape[-1])
@@ -266,11 +268,6 @@ def _segment_kwargs(options: vjp.Options) -> dict:
                                    ("kv_segment_ids", options.kv_segment_ids)) if x is not None}
 
 
-def _mosaic_takes_segments() -> bool:
-  from jaxflash.mosaic import prefill_attention as mosaic_prefill
-  return "segment_ids" in inspect.signature(mosaic_prefill).parameters
-
-
 def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None,
                   block_table=None, bias=None, mask=None, sinks=None, *, scale=None,
                   mods: ScoreMods = ScoreMods(), forced: bool = False, segment_ids=None,
@@ -289,8 +286,6 @@ def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengt
   if sharding.manual_axes():
     return "inside jax.shard_map the Pallas-Triton kernels run"
   packed = segment_ids is not None or kv_segment_ids is not None
-  if packed and not _mosaic_takes_segments():
-    return "segment_ids (packed documents) run on the Pallas-Triton kernels: this Mosaic prefill lacks them"
   alignment = mods.causal_alignment
   positional = mods.is_causal or mods.window is not None
   if positional and alignment == "top_left":
@@ -517,8 +512,9 @@ def _quantized_attention(query, key, value, k_scale, v_scale, bias, mask, scale,
   else:  # no kernel reads this call's quantized cache: dequantize it, then the float path
     key, value = dequantize_kv(key, k_scale, query.dtype), dequantize_kv(value, v_scale, query.dtype)
     result = _attention(query, key, value, options["bias"], options["mask"], scale, q_lengths, kv_lengths,
-                        block_table, options["sinks"], mods=mods, static_scale=static_scale,
-                        return_residual=True, implementation=implementation)
+                        block_table, options["sinks"], None, None, mods=mods, static_scale=static_scale,
+                        return_residual=True, implementation=implementation,
+                        backward_implementation=None)
   return _finish(result, return_residual, unbatched)
 
 
