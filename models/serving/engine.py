@@ -32,7 +32,7 @@ from models.qwen2.model import Qwen2ForCausalLM
 from models.qwen2.plan import DecodeWorkspace
 from models.qwen2.sampler import check_attention_impl
 from models.serving.prefix_cache import PrefixCache
-from models.serving.request import RequestHandle, make_request
+from models.serving.request import Request, RequestHandle, make_request
 from models.serving.sampling import row_keys, sample_rows
 from models.serving.scheduler import ScheduledStep, Scheduler, Sequence
 
@@ -144,6 +144,14 @@ class Engine:
     """Queues a request; returns its handle at once. Bad requests raise ValueError or
     TypeError here and leave the engine as it was. stop_ids None means the model's EOS
     ids. arrival: its arrival time (time.perf_counter; default now), for TTFT."""
+    return self.add(self.check_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, seed=seed, stop_ids=stop_ids), arrival)
+
+  def check_request(self, prompt, max_new_tokens: int, *, temperature: float = 0.0,
+                    top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                    stop_ids=None) -> Request:
+    """The validated Request (ValueError / TypeError otherwise). It reads only the engine's
+    fixed settings, so any thread may call it."""
     request = make_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed, stop_ids=stop_ids, default_stop_ids=self.config.eos_token_ids,
                            vocab_size=self.config.vocab_size, max_seq_len=self.max_seq_len)
@@ -152,6 +160,10 @@ class Engine:
       raise ValueError(f"a request of {len(request.prompt)} prompt + {request.max_new_tokens} new "
                        f"tokens needs more than the pool's {self.allocator.num_pages} pages of "
                        f"{self.page_size} tokens")
+    return request
+
+  def add(self, request: Request, arrival: float | None = None) -> RequestHandle:
+    """Queues a request made by `check_request`; its handle."""
     handle = RequestHandle(self._next_id, request, self.step, arrival)
     self._next_id += 1
     if request.max_new_tokens == 0:
@@ -159,6 +171,10 @@ class Engine:
     else:
       self.scheduler.add(Sequence(handle, list(request.prompt)))
     return handle
+
+  def cancel(self, handle: RequestHandle) -> None:
+    """Ends a request now (finish_reason "cancelled"): its slot and pages are freed."""
+    self.scheduler.cancel(handle)
 
   @property
   def idle(self) -> bool:

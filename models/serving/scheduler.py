@@ -204,6 +204,14 @@ class Scheduler:
       self.slots[seq.slot] = None
       seq.slot = None
 
+  def cancel(self, handle: RequestHandle) -> None:
+    """Finishes the request of `handle` as "cancelled", waiting or running (no-op if done)."""
+    for seq in [*self.waiting, *(s for s in self.slots if s is not None)]:
+      if seq.handle is handle and not handle.done:
+        if seq.slot is None:
+          self.waiting.remove(seq)
+        self.finish(seq, "cancelled")
+
   def _register(self, seq: Sequence) -> None:
     """Offers the sequence's newly full, computed pages to the prefix cache."""
     if self.prefix_cache is None or seq.slot is None:
