@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--max-seq-len", type=int, default=None, help="tokens per sequence (default: "
                       "the model's max_position_embeddings)")
   parser.add_argument("--token-budget", type=int, default=512, help="tokens one step feeds at most")
+  parser.add_argument("--min-chunk", type=int, default=16, help="the smallest prefill chunk bucket "
+                      "(a power of two; larger: fewer compilations, more padding)")
   parser.add_argument("--no-prefix-caching", action="store_true")
   parser.add_argument("--no-warm-up", action="store_true", help="compile steps on first use instead")
   args = parser.parse_args(argv)
@@ -55,31 +57,41 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(args):
   """-> (OpenAIServer, EngineLoop) for the parsed flags; UserError for bad values."""
-  from models.generate import UserError, load
-  from models.serving import Engine
-  from models.serving.chat import ChatTemplate, checkpoint_chat_template
-  from models.serving.loop import EngineLoop
-  from models.serving.openai_api import OpenAIServer
+  from models.generate import load
+  from models.serving.chat import checkpoint_chat_template
 
   load_args = argparse.Namespace(checkpoint=args.checkpoint, dtype=args.dtype, seed=args.seed)
   model, tokenizer, eos_ids, label = load(load_args)
+  print(f"model: {label}", flush=True)
+  template = checkpoint_chat_template(os.path.expanduser(args.checkpoint)) if args.checkpoint else None
+  name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
+                             else "jaxflash-demo")
+  return serve_model(model, tokenizer, eos_ids, args, model_name=name, chat_template=template)
+
+
+def serve_model(model, tokenizer, eos_ids, args, *, model_name: str, chat_template: str | None = None):
+  """The engine (flags of `args`) for `model`, warmed up and running in its thread, and the
+  API over it: (OpenAIServer, EngineLoop). chat_template None: Qwen's layout."""
+  from models.generate import UserError
+  from models.serving import Engine
+  from models.serving.chat import ChatTemplate
+  from models.serving.loop import EngineLoop
+  from models.serving.openai_api import OpenAIServer
+
   try:
     engine = Engine(model, max_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                     max_seq_len=args.max_seq_len, token_budget=args.token_budget,
-                    prefix_caching=not args.no_prefix_caching, attention_impl=args.attention)
+                    min_chunk=args.min_chunk, prefix_caching=not args.no_prefix_caching,
+                    attention_impl=args.attention)
   except (ValueError, TypeError) as e:
     raise UserError(str(e)) from e
-  template = checkpoint_chat_template(os.path.expanduser(args.checkpoint)) if args.checkpoint else None
-  im_end = tokenizer.token_to_id("<|im_end|>")
-  name = args.model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
-                             else "jaxflash-demo")
-  print(f"model: {label}", flush=True)
   if not args.no_warm_up:
     print("compiling the engine's steps ...", flush=True)
     engine.warm_up()
+  im_end = tokenizer.token_to_id("<|im_end|>")
   loop = EngineLoop(engine).start()
-  server = OpenAIServer(loop, tokenizer, model_name=name, stop_ids=eos_ids,
-                        chat_template=ChatTemplate(*([template] if template else [])),
+  server = OpenAIServer(loop, tokenizer, model_name=model_name, stop_ids=eos_ids,
+                        chat_template=ChatTemplate(*([chat_template] if chat_template else [])),
                         chat_stop_ids=() if im_end is None else (im_end,))
   return server, loop
 

@@ -200,12 +200,17 @@ class OpenAIServer:
   async def _updates(self, request, stream, events: asyncio.Queue, reply: "_Reply"):
     """Yields each text delta of the request until it finishes; stops early (the request
     cancelled by the caller) if the client disconnects."""
+    polled = time.monotonic()
     while reply.finish_reason is None:
       try:
         tokens, reason = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
       except asyncio.TimeoutError:
+        tokens, reason = None, None
+      if time.monotonic() - polled >= DISCONNECT_POLL_S:
+        polled = time.monotonic()
         if await request.is_disconnected():
           return
+      if tokens is None:
         continue
       delta = reply.add(tokens, reason)
       if reply.assembler.stopped and reason is None:
