@@ -38,7 +38,7 @@ from models.qwen2.sampler import check_attention_impl
 from models.serving.prefix_cache import PrefixCache
 from models.serving.request import Request, RequestHandle, make_request
 from models.serving.scheduler import PLACEHOLDER, Booking, ScheduledStep, Scheduler, Sequence
-from models.serving.step import set_rows, step_function
+from models.serving.step import IDLE_SAMPLING_ROW, sampling_row, set_rows, step_function
 
 MIN_BUCKET = 16
 
@@ -97,6 +97,9 @@ class Engine:
     self._rows = prefill_lanes + max_slots  # rows of a step's output
     self._previous_tokens = jnp.zeros((self._rows,), jnp.int32)  # the last dispatched step's
     self._in_flight: _InFlight | None = None
+    # Each output row's sampling settings, on the device and its host copy.
+    self._sampling_host = np.tile(IDLE_SAMPLING_ROW, (self._rows, 1))
+    self._sampling = jnp.asarray(self._sampling_host)
     self.scheduler.resolve = self._resolve
 
   # ----------------------------------------------------------------------------- interface
@@ -167,7 +170,7 @@ class Engine:
       tokens, self.cache, self.workspace = self._step(
           self.params, self.cache, self.workspace, self._previous_tokens,
           jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)),
-          prefill, _idle_sampling(self._rows), attention_impl=self.attention_impl)
+          prefill, self._sampling, attention_impl=self.attention_impl)
       tokens.block_until_ready()
     self.cache = dataclasses.replace(self.cache, block_table=set_rows(
         self.cache.block_table, jnp.zeros((1,), jnp.int32), jnp.zeros((1, self.max_pages), jnp.int32)))
@@ -218,40 +221,44 @@ class Engine:
       prefill = tuple(jnp.asarray(x) for x in (tokens, lengths, cached, lane_slots))
     # One sampling row per output row: the prefill lanes, then the slots; idle rows: greedy.
     rows = [s for s, _ in scheduled.prefills] + [None] * (lanes - len(scheduled.prefills))
-    rows += list(self.scheduler.slots)
-    sampling = [np.full((self._rows,), fill, dtype) for fill, dtype in
-                ((0, np.uint32), (0, np.int32), (0, np.float32), (0, np.int32), (1, np.float32))]
-    for r, seq in enumerate(rows):
+    sampling = np.tile(IDLE_SAMPLING_ROW, (self._rows, 1))
+    for r, seq in enumerate(rows + list(self.scheduler.slots)):
       if seq is not None:
-        request = seq.handle.request
-        for column, value in zip(sampling, (request.seed, seq.generated, request.temperature,
-                                            request.top_k, request.top_p)):
-          column[r] = value
+        if seq.sampling_row is None:
+          request = seq.handle.request
+          seq.sampling_row = sampling_row(request.seed, request.temperature, request.top_k,
+                                          request.top_p, len(request.prompt))
+        sampling[r] = seq.sampling_row
+    self._sampling = self._update_rows(self._sampling, self._sampling_host, sampling)
+    self._sampling_host = sampling
     self._upload_block_table_rows()
     tokens, self.cache, self.workspace = self._step(
         self.params, self.cache, self.workspace, self._previous_tokens, jnp.asarray(decode_source),
         jnp.asarray(decode_tokens), jnp.asarray(decode_lengths), jnp.asarray(decode_cached), prefill,
-        tuple(jnp.asarray(x) for x in sampling), attention_impl=self.attention_impl)
+        self._sampling, attention_impl=self.attention_impl)
     self._previous_tokens = tokens
     return tokens
 
   def _upload_block_table_rows(self) -> None:
-    """Copies the block-table rows the allocator changed to the device (padded to a power
-    of two of rows, the last one repeated, so that few sizes compile)."""
+    """Copies the block-table rows the allocator changed to the device."""
     changed = sorted(self.allocator.changed_rows)
-    if not changed:
-      return
-    self.allocator.changed_rows.clear()
-    padded = changed + changed[-1:] * ((1 << (len(changed) - 1).bit_length()) - len(changed))
-    self.cache = dataclasses.replace(self.cache, block_table=set_rows(
-        self.cache.block_table, jnp.asarray(padded, jnp.int32),
-        jnp.asarray(self.allocator.block_table[padded])))
+    if changed:
+      self.allocator.changed_rows.clear()
+      self.cache = dataclasses.replace(self.cache, block_table=_set_rows_padded(
+          self.cache.block_table, changed, self.allocator.block_table))
+
+  @staticmethod
+  def _update_rows(device: jax.Array, old: np.ndarray, new: np.ndarray) -> jax.Array:
+    """`device` (a copy of `old`) made equal to `new` by setting the rows that differ."""
+    changed = np.flatnonzero((old != new).any(axis=1)).tolist()
+    return _set_rows_padded(device, changed, new) if changed else device
 
 
-def _idle_sampling(rows: int) -> tuple[jax.Array, ...]:
-  """Sampling settings of `rows` idle rows: greedy, no cut."""
-  return (jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.float32),
-          jnp.zeros((rows,), jnp.int32), jnp.ones((rows,), jnp.float32))
+def _set_rows_padded(device: jax.Array, rows: list[int], host: np.ndarray) -> jax.Array:
+  """device with `rows` set to host's, padded to a power of two of rows (the last one
+  repeated) so that few sizes compile."""
+  padded = rows + rows[-1:] * ((1 << (len(rows) - 1).bit_length()) - len(rows))
+  return set_rows(device, jnp.asarray(padded, jnp.int32), jnp.asarray(host[padded]))
 
 
 @dataclasses.dataclass

@@ -48,6 +48,7 @@ class Sequence:
   cached: int = 0
   keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of its full pages so far
   registered: int = 0  # full pages offered to the prefix cache
+  sampling_row: object = None  # the engine's row of its sampling table, made once
 
   @property
   def pending(self) -> int:

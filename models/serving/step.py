@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.serving.sampling import row_keys, sample_rows
@@ -33,8 +34,9 @@ def step_function(graphdef, treedef):
     row of it that holds a slot's decode token (-1: decode_tokens' value, from the host);
     decode_* [slots] (lengths 1 for a decoding row, 0 for any other); prefill None or
     (tokens [lanes, T], lengths [lanes], cached [lanes], slots [lanes]: whose block-table
-    row each lane writes); sampling (seeds, token index, temperature, top_k, top_p), one per
-    output row. -> (tokens [lanes + slots] int32, cache, workspace)."""
+    row each lane writes); sampling [lanes + slots, 5] int32: each output row's request
+    settings (see `sampling_row`), kept on the device. -> (tokens [lanes + slots] int32,
+    cache, workspace)."""
     traces[0] += 1
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     lanes = previous_tokens.shape[0] - decode_tokens.shape[0]
@@ -58,11 +60,18 @@ def step_function(graphdef, treedef):
           attention_impl=attention_impl, workspace=workspace)
     logits.append(model.logits(hidden[:, 0]))
     logits = jnp.concatenate(logits)  # [rows, vocab]
-    seeds, index, temperature, top_k, top_p = sampling
+    # The index of the token a row draws: its position after the prompt (a decode row feeds
+    # position `cached` and draws the next; a lane draws after its chunk).
+    drawn_at = decode_cached + 1
+    if prefill is not None:
+      drawn_at = jnp.concatenate([prefill[2] + prefill[1], drawn_at])
     rows = logits.shape[0]
+    sampling = sampling[-rows:]
+    bits = lambda column, dtype: jax.lax.bitcast_convert_type(sampling[:, column], dtype)
+    index = jnp.maximum(drawn_at - sampling[:, 4], 0)
     with jax.named_scope("sample"):
-      next_tokens = sample_rows(logits, row_keys(seeds[-rows:], index[-rows:]), temperature[-rows:],
-                                top_k[-rows:], top_p[-rows:])
+      next_tokens = sample_rows(logits, row_keys(bits(0, jnp.uint32), index), bits(1, jnp.float32),
+                                sampling[:, 2], bits(3, jnp.float32))
     next_tokens = jnp.concatenate([jnp.zeros((lanes + decode_tokens.shape[0] - rows,), jnp.int32),
                                    next_tokens])
     return next_tokens, cache, workspace
@@ -72,8 +81,19 @@ def step_function(graphdef, treedef):
   return jitted, traces
 
 
+IDLE_SAMPLING_ROW = np.array([0, 0, 0, np.float32(1.0).view(np.int32), 0], np.int32)  # greedy, no cut
+
+
+def sampling_row(seed: int, temperature: float, top_k: int, top_p: float, prompt_len: int) -> np.ndarray:
+  """One row of the step's sampling table [5] int32: seed (uint32 bits), temperature
+  (float32 bits), top_k (0: all), top_p (float32 bits), the prompt's length."""
+  return np.array([np.uint32(seed).view(np.int32), np.float32(temperature).view(np.int32), top_k,
+                   np.float32(top_p).view(np.int32), prompt_len], np.int32)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def set_rows(table: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
   """table [R, C] with rows[i] set to values[i] ([n], [n, C]; a repeated row must repeat
-  its values): the block table changes by the rows the allocator touched, not a new copy."""
+  its values): the block table and the sampling table change by the rows that changed, not
+  a new copy."""
   return table.at[rows].set(values)
