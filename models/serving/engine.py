@@ -144,7 +144,7 @@ class Engine:
 
   @property
   def idle(self) -> bool:
-    return not self.scheduler.has_work()
+    return not self.scheduler.has_work() and self._in_flight is None
 
   def run_until_idle(self) -> None:
     while self.step():
