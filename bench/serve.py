@@ -1,24 +1,45 @@
-"""Serving a request trace: the continuous-batching engine (models/serving) against static
-batching with models.qwen2's `generate`, on Qwen2.5-1.5B shapes with random bf16 weights.
+"""Serving a request trace: the asynchronous continuous-batching engine (models/serving), in
+Python and through its OpenAI-compatible HTTP server, against static batching with
+models.qwen2's `generate`, on Qwen2.5-1.5B shapes with random bf16 weights.
 
-The trace (fixed seed): Poisson arrivals at several rates; prompt and output lengths drawn
-from log-normal distributions with ShareGPT-like long tails (medians ~220 and ~100 tokens,
-clipped to [64, 1024] and [8, 256]). A second trace puts one 2048-token system prompt in
-front of 80% of the prompts. Every run replays the trace in real time: a request is
-submitted when its arrival time comes, and each token's time is when the host holds it.
+The trace (fixed seed): Poisson arrivals at rates from light load to past saturation;
+prompt and output lengths drawn from log-normal distributions with ShareGPT-like long tails
+(medians ~220 and ~100 tokens, clipped to [64, 1024] and [8, 256]). A second trace puts one
+2048-token system prompt in front of 80% of the prompts. Every run replays the trace in real
+time: a request is submitted when its arrival time comes, and each token's time is when the
+host (or the HTTP client) holds it. Each slot count (32, 128, 256) runs the whole sharegpt
+trace.
 
-  * engine: chunked prefill (512-token step budget, chunks 128/256/512) + prefix caching;
+  * engine: chunked prefill (512-token step budget, chunks 128/256/512) + prefix caching,
+    stepped from the benchmark's thread;
+  * engine_http: the same engine behind `python -m models.serve`'s app on a loopback port
+    (engine thread, Starlette + uvicorn, streamed server-sent events), requests sent by an
+    asyncio httpx client: the server's own cost is the gap to `engine`;
   * engine, no prefix cache; engine, no chunked prefill (whole prompts in one step);
   * static: `generate` on the requests arrived when the previous batch finished (up to the
-    engine's slot count; the batch is filled up with one-token prompts so that its shape is
-    fixed), run until the batch's longest output (one decode step a call, so tokens stream
-    one by one as the engine's do).
+    slot count; the batch is filled up with one-token prompts so that its shape is fixed),
+    run until the batch's longest output (one decode step a call, so tokens stream one by
+    one as the engine's do). The model's position limit is twice the engine's window, so
+    that generate's power-of-two prompt bucket (4096 for the shared trace) plus 256 new
+    tokens fits;
+  * generate_step: the generate loop's decode step at the same batch (its ITL column),
+    for reference: what a token costs without any serving.
 Reported: output tokens/s and requests/s (first arrival to last token), TTFT (arrival to
 first token) mean / p50 / p99, ITL (gaps between a request's tokens) p50 / p99, preemptions,
 prefix-cache hits, and the engine's compilations (done in a warm-up before the clock starts;
 static batching's prompt buckets are compiled the same way).
 
-  python -m bench.serve [--quick] [--out DIR]     # GPU: ~4 min on an H200
+The bytes-and-FLOPs limit (`throughput_limit`, in the results' notes): with P parameters of
+b bytes (bf16: 2), a decode step at batch B over a mean context of L tokens, layers n,
+KV heads h_kv, head dim d, query heads h, and r prompt tokens per output token (each costs
+a forward pass once), one step takes at least
+
+  t = max( (b * P + B * L * n * 2 * h_kv * d * b) / HBM bandwidth,
+           B * (2 * P * (1 + r) + 4 * L * n * h * d) / peak FLOP/s )
+
+and the engine at most B / t output tokens/s (H200: 4.8 TB/s, 989 TFLOP/s dense bf16).
+
+  python -m bench.serve [--quick] [--out DIR]     # GPU
   python -m bench.serve --smoke                   # tiny model on the CPU, a few requests
 """
 from __future__ import annotations
@@ -51,19 +72,41 @@ class Shape:
   output_median: float
   output_clip: tuple[int, int]
   system_prompt: int
-  max_slots: int
+  slots: tuple[int, ...]  # slot counts (the static batch) to run the sharegpt trace at
   token_budget: int
   min_chunk: int
   max_seq_len: int
 
 
-FULL = Shape(requests=48, rates=(6.0, 24.0, 96.0), shared_rates=(12.0, 48.0), prompt_median=220,
-             prompt_clip=(64, 1024), output_median=100, output_clip=(8, 256), system_prompt=SYSTEM_PROMPT,
-             max_slots=32, token_budget=512, min_chunk=128, max_seq_len=4096)
-QUICK = dataclasses.replace(FULL, requests=32, rates=(8.0, 64.0), shared_rates=(24.0,))
-SMOKE = Shape(requests=6, rates=(50.0,), shared_rates=(50.0,), prompt_median=20, prompt_clip=(4, 40),
-              output_median=4, output_clip=(2, 6), system_prompt=24, max_slots=4, token_budget=32,
+FULL = Shape(requests=512, rates=(4.0, 16.0, 64.0, 256.0), shared_rates=(16.0, 64.0),
+             prompt_median=220, prompt_clip=(64, 1024), output_median=100, output_clip=(8, 256),
+             system_prompt=SYSTEM_PROMPT, slots=(32, 128, 256), token_budget=512, min_chunk=128,
+             max_seq_len=4096)
+QUICK = dataclasses.replace(FULL, rates=(16.0, 256.0), shared_rates=(64.0,), slots=(32, 256))
+SMOKE = Shape(requests=8, rates=(50.0,), shared_rates=(50.0,), prompt_median=20, prompt_clip=(4, 40),
+              output_median=4, output_clip=(2, 6), system_prompt=24, slots=(4,), token_budget=32,
               min_chunk=16, max_seq_len=128)
+
+H200_HBM_BYTES_S = 4.8e12
+H200_BF16_FLOPS = 989e12
+
+
+def throughput_limit(config, batch: int, context: float, prompt_per_output: float, *,
+                     hbm_bytes_s: float = H200_HBM_BYTES_S, flops_s: float = H200_BF16_FLOPS,
+                     bytes_per_value: int = 2) -> dict:
+  """The module docstring's bytes-and-FLOPs bound on output tokens/s at `batch` slots."""
+  c = config
+  params = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.num_hidden_layers * (
+      c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+      + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+  kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * bytes_per_value
+  step_bytes = bytes_per_value * params + batch * context * kv_per_token
+  step_flops = batch * (2 * params * (1 + prompt_per_output)
+                        + 4 * context * c.num_hidden_layers * c.num_attention_heads * c.head_dim)
+  step_s = max(step_bytes / hbm_bytes_s, step_flops / flops_s)
+  return dict(params=params, step_bytes=step_bytes, step_flops=step_flops, step_ms=step_s * 1e3,
+              bound="bytes" if step_bytes / hbm_bytes_s >= step_flops / flops_s else "FLOPs",
+              output_tok_s=batch / step_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +178,71 @@ def replay_static(sampler, trace, batch: int, max_new: int):
   return results
 
 
+class IdTokenizer:
+  """Token ids as text ("<id> "), for a model without a tokenizer behind the HTTP server:
+  every token is one piece of text, so each streamed chunk is one token."""
+
+  def encode(self, text: str):
+    raise NotImplementedError("the benchmark sends token ids")
+
+  def decode(self, ids) -> str:
+    return "".join(f"<{i}> " for i in ids)
+
+  def token_to_id(self, token: str):
+    return None
+
+
+def replay_http(engine, trace):
+  """The trace through the OpenAI-compatible server (engine in its thread, uvicorn on a
+  loopback port): each request streamed by an asyncio httpx client at its arrival time.
+  -> per request (arrival, token times)."""
+  import asyncio
+  import json
+  import threading
+
+  import httpx
+
+  from models import serve
+  from models.serving.chat import ChatTemplate
+  from models.serving.loop import EngineLoop
+  from models.serving.openai_api import OpenAIServer
+
+  loop = EngineLoop(engine).start()
+  server = OpenAIServer(loop, IdTokenizer(), model_name="bench", stop_ids=(), chat_template=ChatTemplate())
+  sock = serve.listening_socket("127.0.0.1", 0)
+  web = serve.uvicorn_server(server, sock)
+  thread = threading.Thread(target=web.run, kwargs=dict(sockets=[sock]), daemon=True)
+  thread.start()
+  while not web.started:
+    time.sleep(0.01)
+  url = serve.url_of(sock) + "/v1/completions"
+
+  async def one(client, start, r):
+    await asyncio.sleep(max(0.0, start + r.arrival - time.perf_counter()))
+    times = []
+    body = dict(prompt=list(r.prompt), max_tokens=r.output_len, temperature=0, stream=True)
+    async with client.stream("POST", url, json=body) as reply:
+      async for line in reply.aiter_lines():
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+          times.append(time.perf_counter())
+    return start + r.arrival, times
+
+  async def run_all():
+    limits = httpx.Limits(max_connections=len(trace), max_keepalive_connections=len(trace))
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+      # One request first, outside the clock: the first trip through the stack is slow.
+      await client.post(url, json=dict(prompt=[1, 2, 3], max_tokens=2, temperature=0))
+      start = time.perf_counter()
+      return await asyncio.gather(*(one(client, start, r) for r in trace))
+
+  try:
+    return list(asyncio.run(run_all()))
+  finally:
+    web.should_exit = True
+    thread.join(10)
+    loop.close()
+
+
 def metrics(results) -> dict:
   arrivals = [a for a, _ in results]
   ends = [t[-1] for _, t in results if t]
@@ -152,11 +260,13 @@ def metrics(results) -> dict:
 
 ENGINES = {  # label -> Engine options
     "engine": dict(chunked_prefill=True, prefix_caching=True),
+    "engine_http": dict(chunked_prefill=True, prefix_caching=True),
     "engine_no_prefix": dict(chunked_prefill=True, prefix_caching=False),
     "engine_no_chunking": dict(chunked_prefill=False, prefix_caching=True),
 }
-LABELS = {"engine": "engine (chunked + prefix cache)", "engine_no_prefix": "engine, no prefix cache",
-          "engine_no_chunking": "engine, no chunked prefill", "static": "static batching (generate)"}
+LABELS = {"engine": "engine (chunked + prefix cache)", "engine_http": "engine through HTTP",
+          "engine_no_prefix": "engine, no prefix cache", "engine_no_chunking": "engine, no chunked prefill",
+          "static": "static batching (generate)", "generate_step": "generate loop's decode step"}
 
 
 def build(args, shape: Shape):
@@ -164,16 +274,16 @@ def build(args, shape: Shape):
 
   from models import qwen2
   if args.smoke:
-    config = qwen2.Qwen2Config.tiny(max_position_embeddings=shape.max_seq_len)
+    config = qwen2.Qwen2Config.tiny(max_position_embeddings=2 * shape.max_seq_len)
     return qwen2.random_model(config, seed=0, dtype="float32"), "xla"
-  config = qwen2.Qwen2Config.qwen2_5_1_5b(max_position_embeddings=shape.max_seq_len)
+  config = qwen2.Qwen2Config.qwen2_5_1_5b(max_position_embeddings=2 * shape.max_seq_len)
   model = qwen2.random_model(config, seed=0, dtype=jnp.bfloat16)
   return model, None
 
 
-def run_engine(label, model, impl, shape, trace):
+def run_engine(label, model, impl, shape, trace, slots):
   from models.serving import Engine
-  engine = Engine(model, max_slots=shape.max_slots, page_size=16, max_seq_len=shape.max_seq_len,
+  engine = Engine(model, max_slots=slots, page_size=16, max_seq_len=shape.max_seq_len,
                   token_budget=shape.token_budget, prefill_lanes=2, min_chunk=shape.min_chunk,
                   attention_impl=impl, **ENGINES[label])
   start = time.perf_counter()
@@ -187,7 +297,7 @@ def run_engine(label, model, impl, shape, trace):
   engine.run_until_idle()
   engine.scheduler.stats.clear()
   warm_s = time.perf_counter() - start
-  row = metrics(replay_engine(engine, trace))
+  row = metrics(replay_http(engine, trace) if label == "engine_http" else replay_engine(engine, trace))
   stats = engine.stats
   row.update(preemptions=stats.get("preemptions", 0), prefix_hit_tokens=stats.get("prefix_hit_tokens", 0),
              prefill_tokens=stats.get("prefill_tokens", 0), steps=stats.get("steps", 0),
@@ -195,7 +305,7 @@ def run_engine(label, model, impl, shape, trace):
   return row
 
 
-def run_static(model, impl, shape, trace):
+def run_static(model, impl, shape, trace, slots):
   from models.qwen2 import Sampler
   from models.qwen2.sampler import prompt_bucket
   max_new = shape.output_clip[1]
@@ -206,16 +316,30 @@ def run_static(model, impl, shape, trace):
   buckets = sorted({prompt_bucket(len(r.prompt)) for r in trace})
   for bucket in buckets:
     steps = iter([False])
-    sampler([[0] * bucket] + [[0]] * (shape.max_slots - 1), max_new, eos_token_id=(),
+    sampler([[0] * bucket] + [[0]] * (slots - 1), max_new, eos_token_id=(),
             stream=lambda _: next(steps, True))
   warm_s = time.perf_counter() - start
-  row = metrics(replay_static(sampler, trace, shape.max_slots, max_new))
+  row = metrics(replay_static(sampler, trace, slots, max_new))
   row.update(compilations=2 * len(buckets), warm_up_s=warm_s)
   return row
 
 
+def run_generate_step(model, impl, shape, trace, slots):
+  """The generate loop's decode step at batch `slots`, prompts of the trace's median length."""
+  from models.qwen2 import Sampler
+  length = int(np.median([len(r.prompt) for r in trace]))
+  new = min(64, shape.output_clip[1])
+  sampler = Sampler(model, cache="paged", attention_impl=impl)
+  prompts = [[(7 * i + j) % model.config.vocab_size for j in range(length)] for i in range(slots)]
+  sampler(prompts, new, eos_token_id=())  # compiles
+  result = sampler(prompts, new, eos_token_id=())
+  step_ms = result.decode_seconds / max(result.decode_steps, 1) * 1e3
+  return dict(output_tok_s=slots / step_ms * 1e3, itl_p50_ms=step_ms, output_tokens=slots * new)
+
+
 def columns():
-  return [("trace", "trace"), ("rate", "rate (req/s)"), ("system", "system", lambda s: LABELS[s]),
+  return [("trace", "trace"), ("slots", "slots"), ("rate", "rate (req/s)"),
+          ("system", "system", lambda s: LABELS[s]),
           ("output_tok_s", "output tok/s", "{:.0f}"), ("requests_s", "req/s", "{:.2f}"),
           ("ttft_mean_ms", "TTFT mean ms", "{:.0f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
           ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
@@ -224,8 +348,8 @@ def columns():
 
 
 def main(argv=None):
-  p = bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", time_limit_s=220.0,
-                             quick="fewer rates and requests")
+  p = bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", time_limit_s=1500.0,
+                      quick="two rates (light and past saturation), 32 and 256 slots")
   args = p.parse_args(argv)
   budget = TimeLimit(args.time_limit_s)
   shape = SMOKE if args.smoke else (QUICK if args.quick else FULL)
@@ -238,10 +362,14 @@ def main(argv=None):
               shape=dataclasses.asdict(shape), smoke=args.smoke, seed=SEED,
               timing="wall clock on the host: a token counts when the host holds it")
   # Most telling first, so that a run cut short by its budget still has them.
-  cells = [("sharegpt", rate, system) for rate in shape.rates for system in ("engine", "static")]
-  cells += [("shared_system_prompt", rate, system) for rate in shape.shared_rates
+  top = max(shape.rates)
+  cells = [("sharegpt", top, slots, system) for slots in shape.slots
+           for system in ("engine", "static", "engine_http", "generate_step")]
+  cells += [("sharegpt", rate, slots, system) for slots in shape.slots for rate in shape.rates
+            if rate != top for system in ("engine", "static", "engine_http")]
+  cells += [("shared_system_prompt", rate, shape.slots[0], system) for rate in shape.shared_rates
             for system in ("engine", "engine_no_prefix", "static")]
-  cells += [("sharegpt", rate, system) for rate in shape.rates
+  cells += [("sharegpt", rate, shape.slots[0], system) for rate in shape.rates
             for system in ("engine_no_chunking", "engine_no_prefix")]
   rows = []
   notes = ["compiles: the compilations a run's warm-up added (engines and samplers of one model "
@@ -249,27 +377,39 @@ def main(argv=None):
            "static batching fills each batch up to the slot count with one-token prompts and runs "
            "it to its longest output, one decode step a call"]
   vocab = model.config.vocab_size
-  for trace_kind, rate, system in cells:
+  sharegpt = make_trace(shape, 1.0, vocab, shared=False)
+  prompt_per_output = np.mean([len(r.prompt) for r in sharegpt]) / np.mean([r.output_len for r in sharegpt])
+  context = np.mean([len(r.prompt) + r.output_len / 2 for r in sharegpt])
+  for slots in shape.slots:
+    limit = throughput_limit(model.config, slots, context, prompt_per_output)
+    notes.append(f"bytes-and-FLOPs limit on the H200 at {slots} slots (sharegpt: mean context {context:.0f}, "
+                 f"{prompt_per_output:.2f} prompt tokens per output token): {limit['step_ms']:.2f} ms a step "
+                 f"({limit['bound']}-bound) = {limit['output_tok_s']:.0f} output tok/s")
+  for trace_kind, rate, slots, system in cells:
     if budget.exhausted():
-      notes.append(f"{trace_kind} {rate}/s {system}: skipped (time budget)")
+      notes.append(f"{trace_kind} {rate}/s {slots} slots {system}: skipped (time budget)")
       continue
     trace = make_trace(shape, rate, vocab, shared=trace_kind != "sharegpt")
-    log(f"[{budget.elapsed():6.1f}s] {trace_kind} at {rate}/s: {LABELS[system]}")
-    if system == "static":
-      row, err = timing.try_call(run_static, model, impl, shape, trace)
+    log(f"[{budget.elapsed():6.1f}s] {trace_kind} at {rate}/s, {slots} slots: {LABELS[system]}")
+    run = {"static": run_static, "generate_step": run_generate_step}.get(system)
+    if run is not None:
+      row, err = timing.try_call(run, model, impl, shape, trace, slots)
     else:
-      row, err = timing.try_call(run_engine, system, model, impl, shape, trace)
+      row, err = timing.try_call(run_engine, system, model, impl, shape, trace, slots)
     if err:
-      notes.append(f"{trace_kind} {rate}/s {system}: failed: {err[:300]}")
+      notes.append(f"{trace_kind} {rate}/s {slots} slots {system}: failed: {err[:300]}")
       log(f"  failed: {err}")
       continue
-    rows.append(dict(trace=trace_kind, rate=rate, system=system, **row))
+    rows.append(dict(trace=trace_kind, slots=slots, rate=rate, system=system, **row))
     log("  " + ", ".join(f"{k} {format_value(v)}" for k, v in row.items()))
     write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes)
-  plots = [{"suffix": f"_{kind}_{metric}", "x": "rate", "y": metric, "series": "system", "logx": True,
-            "labels": LABELS, "where": lambda r, k=kind: r["trace"] == k, "xlabel": "arrival rate (req/s)",
-            "ylabel": label, "title": f"{label} against load ({kind} trace)"}
-           for kind in ("sharegpt", "shared_system_prompt")
+  plots = [{"suffix": f"_{kind}_{slots}_{metric}", "x": "rate", "y": metric, "series": "system",
+            "logx": True, "labels": LABELS, "xlabel": "arrival rate (req/s)", "ylabel": label,
+            "where": lambda r, k=kind, n=slots: r["trace"] == k and r["slots"] == n
+            and r["system"] != "generate_step",
+            "title": f"{label} against load ({kind} trace, {slots} slots)"}
+           for kind, slot_counts in (("sharegpt", shape.slots), ("shared_system_prompt", shape.slots[:1]))
+           for slots in slot_counts
            for metric, label in (("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"),
                                  ("output_tok_s", "output tokens/s"))]
   paths = write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes, plot=plots)

@@ -44,14 +44,14 @@ def demo_config():
 RANDOM_WEIGHT_SCALE = 8.0
 
 
-def demo_model(seed: int, dtype):
-  """The random-weight demo model. Its matrices are drawn RANDOM_WEIGHT_SCALE times wider
+def demo_model(seed: int, dtype, config=None):
+  """The random-weight demo model (of `config`, default demo_config()). Its matrices are drawn RANDOM_WEIGHT_SCALE times wider
   than Hugging Face's initialisation (std 0.02): at that init every layer is a near-identity
   and greedy decoding repeats the prompt's last byte forever; wider weights make it wander."""
   from flax import nnx
 
   from models import qwen2
-  model = qwen2.random_model(demo_config(), seed=seed, dtype=dtype)
+  model = qwen2.random_model(config or demo_config(), seed=seed, dtype=dtype)
   for _, module in nnx.iter_modules(model):
     if isinstance(module, nnx.Linear):
       module.kernel[...] = module.kernel[...] * RANDOM_WEIGHT_SCALE

@@ -54,7 +54,7 @@ _CREATED_CACHE = pytest.StashKey[str]()
 # Modules whose tests share state that is costly to build (models, checkpoints, jitted
 # steps, a subprocess's results): under pytest-xdist each runs on one worker.
 SHARED_STATE_MODULES = ("test_qwen2_model.py", "test_qwen2_parity.py", "test_qwen2_tp.py",
-                        "test_qwen2_window.py", "test_serving.py")
+                        "test_qwen2_window.py", "test_serving.py", "test_serve.py")
 
 
 def pytest_configure(config):

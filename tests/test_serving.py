@@ -316,3 +316,60 @@ def test_generate_command_serves_a_requests_file(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "request 3 refused: max_new_tokens must be >= 0" in out
   assert "2 requests, 5 new tokens" in out and "time to first token: p50" in out
+
+
+# ----------------------------------------------------------------------------- one step ahead
+
+def test_the_host_learns_tokens_one_step_late(model):
+  """A step's tokens reach the handle when the next step is dispatched: the first `step`
+  after a prompt books nothing; the decode that follows reads its input on the device."""
+  prompt = _prompts((9,), seed=10)[0]
+  engine = _engine(model)
+  handle = engine.submit(prompt, NEW, stop_ids=())
+  assert engine.step() and handle.tokens == []  # the prompt's step is in flight
+  assert engine.step() and len(handle.tokens) == 1  # booked as the first decode was dispatched
+  engine.run_until_idle()
+  _check_alone(model, [handle])
+  assert engine.stats["steps"] == NEW  # one prefill, NEW - 1 decodes: none past max_new_tokens
+
+
+def test_a_stop_seen_late_wastes_one_step_and_changes_nothing(model):
+  """The stop token is known a step late: the row runs one more decode, whose token is
+  dropped; the next request in its slot is unaffected."""
+  prompts = _prompts((9, 14), seed=11)
+  greedy = _generate_alone(model, tuple(prompts[0]), NEW)
+  engine = _engine(model, max_slots=1)
+  stopped = engine.submit(prompts[0], NEW, stop_ids=greedy[1])
+  after = engine.submit(prompts[1], NEW, stop_ids=())
+  engine.run_until_idle()
+  assert stopped.tokens == greedy[:2] and stopped.finish_reason == "stop"
+  _check_alone(model, [after])
+  assert engine.allocator.available_pages == engine.allocator.num_pages
+
+
+def test_engine_loop_thread_safe_submit_and_cancel(model):
+  """Requests submitted from several threads to the engine's own thread answer as alone; a
+  bad request raises in its caller; a cancelled request frees its slot."""
+  import concurrent.futures
+
+  from models.serving.loop import EngineLoop
+  prompts = _prompts((5, 23, 17, 30, 9), seed=12)
+  loop = EngineLoop(_engine(model)).start()
+  try:
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+      results = list(pool.map(lambda p: loop.submit(p, NEW, stop_ids=()).result(), prompts))
+    assert results == [_generate_alone(model, tuple(p), NEW) for p in prompts]
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+      loop.submit(prompts[0], -1)
+    long = loop.submit(prompts[1], 60, stop_ids=())
+    first = next(iter(long))
+    loop.cancel(long)
+    rest = list(long)  # ends once the loop has taken the cancellation
+    assert long.finish_reason == "cancelled" and len(rest) < 59 and first is not None
+    assert loop.submit(prompts[2], NEW, stop_ids=()).result() == results[2]
+    scheduler = loop.engine.scheduler
+    assert all(s is None for s in scheduler.slots) and not scheduler.waiting
+    assert loop.engine.allocator.available_pages == loop.engine.allocator.num_pages
+  finally:
+    loop.close()
+  assert loop.error is None

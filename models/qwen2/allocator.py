@@ -38,6 +38,7 @@ class PageAllocator:
     self.on_evict: Callable[[int], None] | None = None
     self.pages_dropped = np.zeros((batch,), np.int32)  # leading pages given back (`release_before`)
     self.changed = True  # the device copy of the block table is stale
+    self.changed_rows: set[int] = set()  # rows changed since the engine last copied them
 
   @property
   def free_pages(self) -> int:
@@ -84,6 +85,7 @@ class PageAllocator:
       self.block_table[row, self.pages_held[row]] = self._take()
       self.pages_held[row] += 1
       self.changed = True
+      self.changed_rows.add(row)
 
   def share(self, row: int, pages: Sequence[int]) -> None:
     """Maps `pages` (held by other rows, or idle kept pages) as the first pages of sequence
@@ -100,6 +102,7 @@ class PageAllocator:
       self.block_table[row, j] = page
     self.pages_held[row] = len(pages)
     self.changed = True
+    self.changed_rows.add(row)
 
   def keep(self, page: int) -> None:
     """Marks a held page as a prefix cache's: when its last holder lets go, it goes idle
@@ -128,3 +131,4 @@ class PageAllocator:
     self.pages_held[row] = 0
     self.pages_dropped[row] = 0
     self.changed = True
+    self.changed_rows.add(row)

@@ -6,13 +6,17 @@
       ...
     engine.run_until_idle()     # or drive every submitted request to the end
 
-Each step is ONE jitted call over a fixed number of slots (a paged KV cache of `max_slots`
-rows): the model runs once over `prefill_lanes` rows of prefill chunks [lanes, T] and once
-over every slot's decode token [slots, 1], both writing into the same page pools, then one
-token is drawn per row. T is the step's bucket (a power of two from 16 up to the token
+Each step is ONE jitted call (models/serving/step.py) over prefill chunks [lanes, T] and
+every slot's decode token; T is the step's bucket (a power of two from 16 up to the token
 budget), so a run compiles at most one step per bucket plus one decode-only step
 (`Engine.compilations`). Scheduling, pages, preemption and prefix caching are host-side
 (models/serving/scheduler.py, prefix_cache.py, models/qwen2/allocator.py).
+
+The host runs one step ahead of the device, as SGLang's overlap scheduler and vLLM's
+asynchronous scheduling do: `step` schedules and dispatches step t+1 while step t runs,
+and only then waits for step t's tokens (for streaming and the stop checks). The tokens
+step t draws stay on the device, where step t+1 reads its decode inputs; the block table
+lives on the device too and changes by the rows the allocator touched.
 """
 from __future__ import annotations
 
@@ -32,56 +36,11 @@ from models.qwen2.model import Qwen2ForCausalLM
 from models.qwen2.plan import DecodeWorkspace
 from models.qwen2.sampler import check_attention_impl
 from models.serving.prefix_cache import PrefixCache
-from models.serving.request import RequestHandle, make_request
-from models.serving.sampling import row_keys, sample_rows
-from models.serving.scheduler import ScheduledStep, Scheduler, Sequence
+from models.serving.request import Request, RequestHandle, make_request
+from models.serving.scheduler import PLACEHOLDER, Booking, ScheduledStep, Scheduler, Sequence
+from models.serving.step import IDLE_SAMPLING_ROW, sampling_row, set_rows, step_function
 
 MIN_BUCKET = 16
-
-
-@functools.lru_cache(maxsize=16)
-def step_function(graphdef, treedef):
-  """(the jitted engine step for models of this structure, a one-item list counting its
-  traces, i.e. compilations). The structure is bound once, as in models.qwen2.sampler."""
-  traces = [0]
-
-  def step(params, cache, workspace, decode_tokens, decode_lengths, decode_cached, prefill,
-           sampling, *, attention_impl):
-    """cache: the PagedCache (block table [slots, max_pages]) and workspace: the decode
-    kernels' scratch (models.qwen2.DecodeWorkspace), both donated; decode_* [slots]
-    (lengths 1 for a decoding row, 0 for any other); prefill None or (tokens [lanes, T],
-    lengths [lanes], cached [lanes], block table [lanes, max_pages]); sampling (seeds,
-    token index, temperature, top_k, top_p), one per row, prefill rows first.
-    -> (tokens [lanes + slots] int32, cache, workspace). Each model call is the model's
-    own with a cache: it picks its StepPlan (models/qwen2/plan.py) from the call's shape."""
-    traces[0] += 1
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    logits = []
-    if prefill is not None:
-      tokens, lengths, cached, table = prefill
-      view = dataclasses.replace(cache, block_table=table, lengths=cached)  # same pools
-      with jax.named_scope("prefill_chunks"):
-        hidden, view, workspace = model.hidden_states(tokens, None, view, lengths=lengths,
-                                                      attention_impl=attention_impl,
-                                                      workspace=workspace)
-      last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]  # [lanes, hidden]
-      logits.append(model.logits(last))
-      cache = dataclasses.replace(view, block_table=cache.block_table)  # the view's pools and scales
-    cache = dataclasses.replace(cache, lengths=decode_cached)
-    with jax.named_scope("decode"):
-      hidden, cache, workspace = model.hidden_states(
-          decode_tokens[:, None], None, cache, lengths=decode_lengths,
-          attention_impl=attention_impl, workspace=workspace)
-    logits.append(model.logits(hidden[:, 0]))
-    seeds, index, temperature, top_k, top_p = sampling
-    with jax.named_scope("sample"):
-      next_tokens = sample_rows(jnp.concatenate(logits), row_keys(seeds, index), temperature,
-                                top_k, top_p)
-    return next_tokens, cache, workspace
-
-  jitted = jax.jit(step, static_argnames=("attention_impl",),
-                   donate_argnames=("cache", "workspace"))
-  return jitted, traces
 
 
 def chunk_buckets(largest: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
@@ -138,6 +97,13 @@ class Engine:
     self._step, self._traces = step_function(graphdef, treedef)
     self._traces_at_start = self._traces[0]
     self._next_id = 0
+    self._rows = prefill_lanes + max_slots  # rows of a step's output
+    self._previous_tokens = jnp.zeros((self._rows,), jnp.int32)  # the last dispatched step's
+    self._in_flight: _InFlight | None = None
+    # Each output row's sampling settings, on the device and its host copy.
+    self._sampling_host = np.tile(IDLE_SAMPLING_ROW, (self._rows, 1))
+    self._sampling = jnp.asarray(self._sampling_host)
+    self.scheduler.resolve = self._resolve
 
   # ----------------------------------------------------------------------------- interface
 
@@ -147,6 +113,14 @@ class Engine:
     """Queues a request; returns its handle at once. Bad requests raise ValueError or
     TypeError here and leave the engine as it was. stop_ids None means the model's EOS
     ids. arrival: its arrival time (time.perf_counter; default now), for TTFT."""
+    return self.add(self.check_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, seed=seed, stop_ids=stop_ids), arrival)
+
+  def check_request(self, prompt, max_new_tokens: int, *, temperature: float = 0.0,
+                    top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                    stop_ids=None) -> Request:
+    """The validated Request (ValueError / TypeError otherwise). It reads only the engine's
+    fixed settings, so any thread may call it."""
     request = make_request(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed, stop_ids=stop_ids, default_stop_ids=self.config.eos_token_ids,
                            vocab_size=self.config.vocab_size, max_seq_len=self.max_seq_len)
@@ -155,6 +129,10 @@ class Engine:
       raise ValueError(f"a request of {len(request.prompt)} prompt + {request.max_new_tokens} new "
                        f"tokens needs more than the pool's {self.allocator.num_pages} pages of "
                        f"{self.page_size} tokens")
+    return request
+
+  def add(self, request: Request, arrival: float | None = None) -> RequestHandle:
+    """Queues a request made by `check_request`; its handle."""
     handle = RequestHandle(self._next_id, request, self.step, arrival)
     self._next_id += 1
     if request.max_new_tokens == 0:
@@ -163,9 +141,13 @@ class Engine:
       self.scheduler.add(Sequence(handle, list(request.prompt)))
     return handle
 
+  def cancel(self, handle: RequestHandle) -> None:
+    """Ends a request now (finish_reason "cancelled"): its slot and pages are freed."""
+    self.scheduler.cancel(handle)
+
   @property
   def idle(self) -> bool:
-    return not self.scheduler.has_work()
+    return not self.scheduler.has_work() and self._in_flight is None
 
   def run_until_idle(self) -> None:
     while self.step():
@@ -187,67 +169,112 @@ class Engine:
     that write nothing, so that serving never waits for a compilation."""
     slots, lanes, zeros = self.max_slots, self.prefill_lanes, functools.partial(np.zeros, dtype=np.int32)
     for bucket in (0, *self.scheduler.buckets):
-      rows = slots + (lanes if bucket else 0)
       prefill = None if not bucket else tuple(jnp.asarray(x) for x in (
-          zeros((lanes, bucket)), zeros((lanes,)), zeros((lanes,)), zeros((lanes, self.max_pages))))
-      sampling = (jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32),
-                  jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.int32),
-                  jnp.ones((rows,), jnp.float32))
+          zeros((lanes, bucket)), zeros((lanes,)), zeros((lanes,)), zeros((lanes,))))
       tokens, self.cache, self.workspace = self._step(
-          self.params, self.cache, self.workspace, *(jnp.asarray(zeros((slots,))) for _ in range(3)),
-          prefill, sampling, attention_impl=self.attention_impl)
+          self.params, self.cache, self.workspace, self._previous_tokens,
+          jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)),
+          prefill, self._sampling, attention_impl=self.attention_impl)
       tokens.block_until_ready()
+    self.cache = dataclasses.replace(self.cache, block_table=set_rows(
+        self.cache.block_table, jnp.zeros((1,), jnp.int32), jnp.zeros((1, self.max_pages), jnp.int32)))
 
   # ----------------------------------------------------------------------------- one step
 
   def step(self) -> bool:
-    """Schedules and runs one step; False when there was nothing to run."""
+    """Schedules and dispatches one step, then books the tokens of the step before it (the
+    host learns a step's tokens one step late). False when there was nothing to do."""
     scheduled = self.scheduler.schedule()
-    if scheduled is None:
-      return False
-    next_tokens = np.asarray(self._run(scheduled))
-    lanes = self.prefill_lanes if scheduled.prefills else 0
-    self.scheduler.commit(scheduled, next_tokens[:len(scheduled.prefills)],
-                          [next_tokens[lanes + s.slot] for s in scheduled.decodes], time.perf_counter())
+    previous = self._in_flight
+    self._in_flight = None
+    if scheduled is not None:
+      tokens = self._dispatch(scheduled, previous)
+      self._in_flight = _InFlight(tokens, self.scheduler.book(scheduled, self.prefill_lanes))
+    if previous is None:
+      return scheduled is not None
+    self.scheduler.complete(previous.bookings, previous.values(), time.perf_counter())
     return True
 
-  def _run(self, scheduled: ScheduledStep):
+  def _resolve(self) -> None:
+    """Fills in the placeholders of the step in flight (waits for it)."""
+    if self._in_flight is not None:
+      self.scheduler.fill(self._in_flight.bookings, self._in_flight.values())
+
+  def _dispatch(self, scheduled: ScheduledStep, previous: "_InFlight | None"):
     slots, lanes = self.max_slots, self.prefill_lanes
-    # One sampling row per logits row: the prefill lanes (when the step has any), then the slots.
-    lane_rows = [s for s, _ in scheduled.prefills] + [None] * (lanes - len(scheduled.prefills))
-    rows = (lane_rows if scheduled.prefills else []) + list(self.scheduler.slots)
+    previous_row = {id(seq): row for seq, _, row in previous.bookings} if previous else {}
     decode_tokens = np.zeros((slots,), np.int32)
+    decode_source = np.full((slots,), -1, np.int32)
     decode_lengths = np.zeros((slots,), np.int32)
     decode_cached = np.zeros((slots,), np.int32)
     for seq in scheduled.decodes:
-      decode_tokens[seq.slot] = seq.tokens[seq.cached]
+      token = seq.tokens[seq.cached]
+      if token == PLACEHOLDER:  # drawn by the step in flight: read on the device
+        decode_source[seq.slot] = previous_row[id(seq)]
+      else:
+        decode_tokens[seq.slot] = token
       decode_lengths[seq.slot] = 1
       decode_cached[seq.slot] = seq.cached
     prefill = None
     if scheduled.prefills:
       tokens = np.zeros((lanes, scheduled.chunk_bucket), np.int32)
-      lengths = np.zeros((lanes,), np.int32)
-      cached = np.zeros((lanes,), np.int32)
-      table = np.zeros((lanes, self.max_pages), np.int32)
+      lengths, cached, lane_slots = (np.zeros((lanes,), np.int32) for _ in range(3))
       for lane, (seq, chunk) in enumerate(scheduled.prefills):
         tokens[lane, :chunk] = seq.tokens[seq.cached:seq.cached + chunk]
-        lengths[lane], cached[lane] = chunk, seq.cached
-        table[lane] = self.allocator.block_table[seq.slot]
-      prefill = tuple(jnp.asarray(x) for x in (tokens, lengths, cached, table))
-    # seed, token index, temperature, top_k, top_p; idle rows: greedy, no cut.
-    sampling = [np.full((len(rows),), fill, dtype) for fill, dtype in
-                ((0, np.uint32), (0, np.int32), (0, np.float32), (0, np.int32), (1, np.float32))]
-    for r, seq in enumerate(rows):
+        lengths[lane], cached[lane], lane_slots[lane] = chunk, seq.cached, seq.slot
+      prefill = tuple(jnp.asarray(x) for x in (tokens, lengths, cached, lane_slots))
+    # One sampling row per output row: the prefill lanes, then the slots; idle rows: greedy.
+    rows = [s for s, _ in scheduled.prefills] + [None] * (lanes - len(scheduled.prefills))
+    sampling = np.tile(IDLE_SAMPLING_ROW, (self._rows, 1))
+    for r, seq in enumerate(rows + list(self.scheduler.slots)):
       if seq is not None:
-        request = seq.handle.request
-        for column, value in zip(sampling, (request.seed, seq.generated, request.temperature,
-                                            request.top_k, request.top_p)):
-          column[r] = value
-    if self.allocator.changed:
-      self.cache = dataclasses.replace(self.cache, block_table=jnp.asarray(self.allocator.block_table))
-      self.allocator.changed = False
-    next_tokens, self.cache, self.workspace = self._step(
-        self.params, self.cache, self.workspace, jnp.asarray(decode_tokens), jnp.asarray(decode_lengths),
-        jnp.asarray(decode_cached), prefill, tuple(jnp.asarray(x) for x in sampling),
-        attention_impl=self.attention_impl)
-    return next_tokens
+        if seq.sampling_row is None:
+          request = seq.handle.request
+          seq.sampling_row = sampling_row(request.seed, request.temperature, request.top_k,
+                                          request.top_p, len(request.prompt))
+        sampling[r] = seq.sampling_row
+    self._sampling = self._update_rows(self._sampling, self._sampling_host, sampling)
+    self._sampling_host = sampling
+    self._upload_block_table_rows()
+    tokens, self.cache, self.workspace = self._step(
+        self.params, self.cache, self.workspace, self._previous_tokens, jnp.asarray(decode_source),
+        jnp.asarray(decode_tokens), jnp.asarray(decode_lengths), jnp.asarray(decode_cached), prefill,
+        self._sampling, attention_impl=self.attention_impl)
+    self._previous_tokens = tokens
+    return tokens
+
+  def _upload_block_table_rows(self) -> None:
+    """Copies the block-table rows the allocator changed to the device."""
+    changed = sorted(self.allocator.changed_rows)
+    if changed:
+      self.allocator.changed_rows.clear()
+      self.cache = dataclasses.replace(self.cache, block_table=_set_rows_padded(
+          self.cache.block_table, changed, self.allocator.block_table))
+
+  @staticmethod
+  def _update_rows(device: jax.Array, old: np.ndarray, new: np.ndarray) -> jax.Array:
+    """`device` (a copy of `old`) made equal to `new` by setting the rows that differ."""
+    changed = np.flatnonzero((old != new).any(axis=1)).tolist()
+    return _set_rows_padded(device, changed, new) if changed else device
+
+
+def _set_rows_padded(device: jax.Array, rows: list[int], host: np.ndarray) -> jax.Array:
+  """device with `rows` set to host's, padded to a power of two of rows (the last one
+  repeated) so that few sizes compile."""
+  padded = rows + rows[-1:] * ((1 << (len(rows) - 1).bit_length()) - len(rows))
+  return set_rows(device, jnp.asarray(padded, jnp.int32), jnp.asarray(host[padded]))
+
+
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched step: its output tokens on the device and what they are for."""
+
+  tokens: jax.Array  # [lanes + slots]
+  bookings: list[Booking]
+  _values: np.ndarray | None = None
+
+  def values(self) -> np.ndarray:
+    """The tokens on the host (waits for the step, once)."""
+    if self._values is None:
+      self._values = np.asarray(self.tokens)
+    return self._values

@@ -86,7 +86,7 @@ class RequestHandle:
     self.tokens: list[int] = []
     self.token_times: list[float] = []
     self.arrival = time.perf_counter() if arrival is None else arrival
-    self.finish_reason: str | None = None  # "stop", "length" or "window" once done
+    self.finish_reason: str | None = None  # "stop", "length", "window" or "cancelled" once done
     self.computed_tokens = 0  # tokens fed to the model (recomputation after preemption included)
     self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix cache instead
     self.preemptions = 0

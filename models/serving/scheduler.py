@@ -11,6 +11,15 @@ A sequence that needs a page when none is free or idle makes the newest running 
 give all of its pages back (preemption); that one waits at the head of the queue and is
 recomputed from its tokens when readmitted (its prompt and the tokens it had produced), so
 its output does not change.
+
+The engine runs one step ahead of what the host knows (models/serving/engine.py): `book`
+counts a dispatched step's tokens as fed and appends a PLACEHOLDER for each token it will
+draw, which the next step already feeds from the device; `complete` fills the placeholders
+in once the host has the values, hands the tokens to their requests and applies the stop
+checks (a sequence that stopped may thus run one wasted step, whose result is dropped).
+A sequence is never scheduled past its max_new_tokens or its window, counting
+placeholders. Preempting a sequence first asks the engine to `resolve` its placeholder
+(the host waits for the step in flight), so that it can be recomputed from known tokens.
 """
 from __future__ import annotations
 
@@ -21,6 +30,11 @@ import math
 from models.qwen2.allocator import OutOfPagesError, PageAllocator
 from models.serving.prefix_cache import PrefixCache, page_keys
 from models.serving.request import RequestHandle
+
+PLACEHOLDER = -1  # a token drawn by a step in flight, not yet known to the host
+
+# (sequence, index of its token in `tokens`, row of the step's output that draws it)
+Booking = tuple["Sequence", int, int]
 
 
 @dataclasses.dataclass(eq=False)
@@ -34,6 +48,7 @@ class Sequence:
   cached: int = 0
   keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of its full pages so far
   registered: int = 0  # full pages offered to the prefix cache
+  sampling_row: object = None  # the engine's row of its sampling table, made once
 
   @property
   def pending(self) -> int:
@@ -42,7 +57,16 @@ class Sequence:
 
   @property
   def generated(self) -> int:
+    """New tokens, placeholders included."""
     return len(self.tokens) - len(self.handle.request.prompt)
+
+  @property
+  def known(self) -> int:
+    """Leading tokens whose values the host has (all but trailing placeholders)."""
+    known = len(self.tokens)
+    while known and self.tokens[known - 1] == PLACEHOLDER:
+      known -= 1
+    return known
 
 
 @dataclasses.dataclass
@@ -72,6 +96,7 @@ class Scheduler:
     self.buckets = buckets
     self.max_seq_len = max_seq_len
     self.stats = collections.Counter()
+    self.resolve = lambda: None  # the engine's: fills in the placeholders of the step in flight
 
   def add(self, seq: Sequence) -> None:
     self.waiting.append(seq)
@@ -112,6 +137,7 @@ class Scheduler:
       self.stats["prefix_hit_tokens"] += seq.cached
 
   def _preempt(self, seq: Sequence) -> None:
+    self.resolve()  # it will be recomputed from its tokens: all must be known
     self._register(seq)  # its computed pages stay findable: recomputing may hit them
     self.allocator.release(seq.slot)
     self.slots[seq.slot] = None
@@ -139,8 +165,8 @@ class Scheduler:
     """The next step's work (None: nothing to run)."""
     self._admit()
     # (A sequence preempted by an older one's growth in this loop has no slot any more.)
-    decodes = [s for s in self.running
-               if s.slot is not None and s.pending == 1 and self._grow(s, s.cached + 1)]
+    decodes = [s for s in self.running if s.slot is not None and s.pending == 1
+               and not self._exhausted(s) and self._grow(s, s.cached + 1)]
     budget = self.token_budget - len(decodes)
     prefills: list[tuple[Sequence, int]] = []
     largest = self.buckets[-1]
@@ -166,49 +192,80 @@ class Scheduler:
     bucket = min(b for b in self.buckets if b >= longest) if prefills else 0
     return ScheduledStep(decodes, prefills, bucket)
 
-  def commit(self, step: ScheduledStep, prefill_tokens, decode_tokens, now: float) -> None:
-    """Books a step's results: chunk c of a prefill row is now cached; a row that fed its
-    last pending token appends the token it drew (prefill_tokens [lanes], decode_tokens
-    [decodes], host ints)."""
+  def _exhausted(self, seq: Sequence) -> bool:
+    """Its last (maybe not yet known) token ends it: no further step for it."""
+    return (seq.generated >= seq.handle.request.max_new_tokens or len(seq.tokens) > self.max_seq_len)
+
+  def book(self, step: ScheduledStep, lanes: int) -> list[Booking]:
+    """Counts a dispatched step's tokens as fed; a row that fed its last pending token gets a
+    PLACEHOLDER for the token it draws. Output rows: the `lanes` prefill rows, then one per
+    slot. -> the step's bookings, for `complete`."""
     self.stats["steps"] += 1
-    for (seq, chunk), token in zip(step.prefills, prefill_tokens):
+    bookings = []
+    for lane, (seq, chunk) in enumerate(step.prefills):
       seq.cached += chunk
       seq.handle.computed_tokens += chunk
       self.stats["prefill_tokens"] += chunk
       if seq.pending == 0:
-        self._emit(seq, int(token), now)
-    for seq, token in zip(step.decodes, decode_tokens):
+        seq.tokens.append(PLACEHOLDER)
+        bookings.append((seq, len(seq.tokens) - 1, lane))
+    for seq in step.decodes:
       seq.cached += 1
       seq.handle.computed_tokens += 1
       self.stats["decode_tokens"] += 1
-      self._emit(seq, int(token), now)
+      seq.tokens.append(PLACEHOLDER)
+      bookings.append((seq, len(seq.tokens) - 1, lanes + seq.slot))
+    return bookings
+
+  @staticmethod
+  def fill(bookings: list[Booking], values) -> None:
+    """Writes a step's drawn tokens (values [rows], host ints) over their placeholders."""
+    for seq, index, row in bookings:
+      if seq.tokens[index] == PLACEHOLDER:
+        seq.tokens[index] = int(values[row])
+
+  def complete(self, bookings: list[Booking], values, now: float) -> None:
+    """Books a step's drawn tokens once the host has them: each goes to its request, then
+    the stop checks; finished requests give their slots back."""
+    self.fill(bookings, values)
+    for seq, index, _ in bookings:
+      if not seq.handle.done:  # else it stopped a step earlier: this token is dropped
+        self._emit(seq, index, now)
     for seq in self.running:
       self._register(seq)
 
-  def _emit(self, seq: Sequence, token: int, now: float) -> None:
-    seq.tokens.append(token)
+  def _emit(self, seq: Sequence, index: int, now: float) -> None:
+    token = seq.tokens[index]
     seq.handle._push(token, now)
     request = seq.handle.request
     if token in request.stop_ids:
       self.finish(seq, "stop")
-    elif seq.generated >= request.max_new_tokens:
+    elif index + 1 - len(request.prompt) >= request.max_new_tokens:
       self.finish(seq, "length")
-    elif len(seq.tokens) > self.max_seq_len:
+    elif index + 1 > self.max_seq_len:
       self.finish(seq, "window")  # its next token would have no place in the cache
 
   def finish(self, seq: Sequence, reason: str) -> None:
     seq.handle.finish_reason = reason
+    if seq.slot is None and seq in self.waiting:  # preempted, then its last token stopped it
+      self.waiting.remove(seq)
     if seq.slot is not None:
       self._register(seq)
       self.allocator.release(seq.slot)  # pages back at once (kept ones go idle)
       self.slots[seq.slot] = None
       seq.slot = None
 
+  def cancel(self, handle: RequestHandle) -> None:
+    """Finishes the request of `handle` as "cancelled", waiting or running (no-op if done)."""
+    for seq in [*self.waiting, *(s for s in self.slots if s is not None)]:
+      if seq.handle is handle and not handle.done:
+        self.finish(seq, "cancelled")
+
   def _register(self, seq: Sequence) -> None:
     """Offers the sequence's newly full, computed pages to the prefix cache."""
     if self.prefix_cache is None or seq.slot is None:
       return
-    full = seq.cached // self.page_size
+    full = min(seq.cached, seq.known) // self.page_size  # pages of computed, known tokens
     keys = self._full_page_keys(seq, full)
     for j in range(seq.registered, full):
       self.prefix_cache.insert(keys[j], int(self.allocator.block_table[seq.slot, j]))

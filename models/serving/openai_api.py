@@ -1,0 +1,288 @@
+"""An OpenAI-compatible HTTP API over an EngineLoop (Starlette): GET /health, GET /v1/models,
+POST /v1/completions and POST /v1/chat/completions, whole or streamed as server-sent events
+ending with `data: [DONE]`.
+
+A bad request gets HTTP 400 and {"error": {"message", "type"}}, checked before anything
+reaches the engine. A client that goes away (closes its stream, or its connection while
+waiting for a whole answer) has its request cancelled, which frees its slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import numbers
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from models.serving.chat import ChatTemplate
+from models.serving.loop import EngineLoop
+
+DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
+FINISH_REASONS = {"stop": "stop", "length": "length", "window": "length", "cancelled": "stop"}
+DISCONNECT_POLL_S = 0.25
+
+
+class BadRequest(ValueError):
+  """A client's mistake: answered with HTTP 400."""
+
+
+def error_response(message: str, status: int = 400, kind: str = "invalid_request_error"):
+  return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                      status_code=status)
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _optional(body: dict, name: str, check, expected: str, default=None):
+  value = body.get(name)
+  if value is None:
+    return default
+  if not check(value):
+    raise BadRequest(f"'{name}' must be {expected}, got {json.dumps(value)[:80]}")
+  return value
+
+
+def sampling_options(body: dict, default_max_tokens: int | None) -> dict:
+  """The engine options of a request body (OpenAI's names and defaults; top_k 0 or -1: none).
+  A request without a seed gets a fresh random one."""
+  max_tokens = _optional(body, "max_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0",
+                         default_max_tokens)
+  if "max_completion_tokens" in body:
+    max_tokens = _optional(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 0,
+                           "an integer >= 0", max_tokens)
+  n = _optional(body, "n", _is_int, "an integer", 1)
+  if n != 1:
+    raise BadRequest(f"'n' must be 1 (one choice per request), got {n}")
+  top_k = _optional(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1", 0)
+  stop = _optional(body, "stop", lambda v: isinstance(v, str) or (
+      isinstance(v, list) and all(isinstance(s, str) and s for s in v)), "a string or a list of "
+      "non-empty strings", [])
+  return dict(
+      max_new_tokens=max_tokens,
+      temperature=float(_optional(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2,
+                                  "a number in [0, 2]", 1.0)),
+      top_p=float(_optional(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1,
+                            "a number in (0, 1]", 1.0)),
+      top_k=top_k if top_k > 0 else None,
+      seed=_optional(body, "seed", _is_int, "an integer", None),
+      stop=[stop] if isinstance(stop, str) else list(stop),
+      stream=_optional(body, "stream", lambda v: isinstance(v, bool), "a boolean", False))
+
+
+class TextAssembler:
+  """Token ids -> text deltas, with stop strings: text that could still turn into a stop
+  string (or an incomplete UTF-8 character) is held back until it cannot."""
+
+  def __init__(self, tokenizer, stop: list[str]):
+    self.tokenizer, self.stop = tokenizer, stop
+    self.tokens: list[int] = []
+    self.sent = ""  # text handed out so far
+    self.stopped = False
+    self._hold = max((len(s) for s in stop), default=1) - 1
+
+  def feed(self, tokens: list[int], final: bool) -> str:
+    """The new text to hand out after `tokens`; sets `stopped` at a stop string."""
+    self.tokens += tokens
+    text = self.tokenizer.decode(self.tokens)
+    cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+    if cut >= 0:
+      text, final, self.stopped = text[:cut], True, True
+    if not final:
+      text = text[:max(len(self.sent), len(text) - self._hold)]
+      text = text.rstrip("\ufffd")  # an incomplete character: wait for its next byte
+    delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+    self.sent += delta
+    return delta
+
+
+class OpenAIServer:
+  """The application's state: the engine loop, the tokenizer, the chat template."""
+
+  def __init__(self, loop: EngineLoop, tokenizer, *, model_name: str, stop_ids,
+               chat_template: ChatTemplate, chat_stop_ids=()):
+    self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
+    self.stop_ids, self.chat_stop_ids = tuple(stop_ids), tuple(chat_stop_ids)
+    self.chat_template = chat_template
+    self.max_seq_len = loop.engine.max_seq_len
+    self.ready = False
+    self.app = Starlette(routes=[
+        Route("/health", self.health, methods=["GET"]),
+        Route("/v1/models", self.models, methods=["GET"]),
+        Route("/v1/completions", self.completions, methods=["POST"]),
+        Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+    ])
+
+  async def health(self, request: HttpRequest):
+    if not self.ready or self.loop.error is not None:
+      return error_response("not ready", 503, "server_error")
+    return JSONResponse({"status": "ok"})
+
+  async def models(self, request: HttpRequest):
+    return JSONResponse({"object": "list", "data": [
+        {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxflash"}]})
+
+  # ----------------------------------------------------------------------------- requests
+
+  async def completions(self, request: HttpRequest):
+    return await self._serve(request, chat=False)
+
+  async def chat_completions(self, request: HttpRequest):
+    return await self._serve(request, chat=True)
+
+  def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    if chat:
+      messages = body.get("messages")
+      if not isinstance(messages, list) or not messages or not all(
+          isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+          for m in messages):
+        raise BadRequest("'messages' must be a non-empty list of {\"role\": string, \"content\": "
+                         "string} objects")
+      return self.tokenizer.encode(self.chat_template.render(messages)).ids
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+      prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+      return self.tokenizer.encode(prompt).ids
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+      return list(prompt)
+    raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids")
+
+  async def _serve(self, request: HttpRequest, *, chat: bool):
+    try:
+      body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      return error_response(f"the body is not valid JSON: {e}")
+    try:
+      if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+      _optional(body, "model", lambda v: isinstance(v, str), "a string")
+      prompt = self._prompt_ids(body, chat)
+      options = sampling_options(body, None if chat else DEFAULT_MAX_TOKENS)
+      if options["max_new_tokens"] is None:  # chat: up to the window
+        options["max_new_tokens"] = max(self.max_seq_len - len(prompt), 0)
+      stop, stream_it = options.pop("stop"), options.pop("stream")
+      if options["seed"] is None:
+        options["seed"] = uuid.uuid4().int & 0x7FFFFFFF
+      events: asyncio.Queue = asyncio.Queue()
+      event_loop = asyncio.get_running_loop()
+      stream = self.loop.submit(
+          prompt, stop_ids=self.stop_ids + (self.chat_stop_ids if chat else ()),
+          on_update=lambda tokens, reason: event_loop.call_soon_threadsafe(
+              events.put_nowait, (tokens, reason)), **options)
+    except (BadRequest, ValueError, TypeError) as e:
+      return error_response(str(e))
+    except RuntimeError as e:
+      return error_response(str(e), 503, "server_error")
+    reply = _Reply(self, chat, len(prompt), TextAssembler(self.tokenizer, stop))
+    if stream_it:
+      return StreamingResponse(self._sse(request, stream, events, reply), media_type="text/event-stream")
+    try:
+      async for _ in self._updates(request, stream, events, reply):
+        pass
+    finally:
+      if reply.finish_reason is None:  # the client left
+        self.loop.cancel(stream)
+    if reply.finish_reason == "error":
+      return error_response("the engine failed", 500, "server_error")
+    return JSONResponse(reply.whole())
+
+  async def _updates(self, request, stream, events: asyncio.Queue, reply: "_Reply"):
+    """Yields each text delta of the request until it finishes; stops early (the request
+    cancelled by the caller) if the client disconnects."""
+    polled = time.monotonic()
+    while reply.finish_reason is None:
+      try:
+        tokens, reason = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+      except asyncio.TimeoutError:
+        tokens, reason = None, None
+      if time.monotonic() - polled >= DISCONNECT_POLL_S:
+        polled = time.monotonic()
+        if await request.is_disconnected():
+          return
+      if tokens is None:
+        continue
+      delta = reply.add(tokens, reason)
+      if reply.assembler.stopped and reason is None:
+        self.loop.cancel(stream)  # a stop string: the engine need not go on
+      yield delta
+
+  async def _sse(self, request, stream, events, reply: "_Reply"):
+    try:
+      yield _event(reply.chunk(None, first=True))
+      async for delta in self._updates(request, stream, events, reply):
+        if delta:
+          yield _event(reply.chunk(delta))
+      if reply.finish_reason is not None:
+        yield _event(reply.chunk("", finish=True))
+        yield "data: [DONE]\n\n"
+    finally:
+      if reply.finish_reason is None:
+        self.loop.cancel(stream)
+
+
+def _event(payload: dict | None) -> str:
+  return "" if payload is None else f"data: {json.dumps(payload)}\n\n"
+
+
+class _Reply:
+  """One response's text, counts and OpenAI JSON shapes."""
+
+  def __init__(self, server: OpenAIServer, chat: bool, prompt_tokens: int, assembler: TextAssembler):
+    self.server, self.chat, self.prompt_tokens, self.assembler = server, chat, prompt_tokens, assembler
+    self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    self.created = int(time.time())
+    self.completion_tokens = 0
+    self.text = ""
+    self.finish_reason: str | None = None
+
+  def add(self, tokens: list[int], reason: str | None) -> str:
+    if not self.assembler.stopped:
+      self.completion_tokens += len(tokens)
+    delta = self.assembler.feed(tokens, reason is not None)
+    self.text += delta
+    if reason is not None:
+      self.finish_reason = "stop" if self.assembler.stopped else FINISH_REASONS.get(reason, reason)
+    return delta
+
+  def usage(self) -> dict:
+    return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+  def _head(self, kind: str) -> dict:
+    return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name}
+
+  def whole(self) -> dict:
+    if self.chat:
+      choice = {"index": 0, "message": {"role": "assistant", "content": self.text}, "logprobs": None,
+                "finish_reason": self.finish_reason}
+      return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage()}
+    choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": self.finish_reason}
+    return {**self._head("text_completion"), "choices": [choice], "usage": self.usage()}
+
+  def chunk(self, delta: str | None, *, first: bool = False, finish: bool = False) -> dict | None:
+    """A streamed chunk (the last one carries finish_reason and usage); None for the
+    completions stream's opening (only chat opens with the assistant's role)."""
+    reason = self.finish_reason if finish else None
+    if self.chat:
+      content = {"role": "assistant", "content": ""} if first else ({} if finish else {"content": delta})
+      payload = {**self._head("chat.completion.chunk"), "choices": [
+          {"index": 0, "delta": content, "logprobs": None, "finish_reason": reason}]}
+    elif first:
+      return None
+    else:
+      payload = {**self._head("text_completion"), "choices": [
+          {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+    if finish:
+      payload["usage"] = self.usage()
+    return payload
