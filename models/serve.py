@@ -27,27 +27,32 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = _Parser(prog="python -m models.serve",
-                   description="An OpenAI-compatible HTTP server for Qwen2.5 on jaxflash.")
-  parser.add_argument("--checkpoint", help="local HF Qwen2/Qwen2.5 directory (default: the random-"
+                   description="An OpenAI-compatible HTTP server for Qwen2.5 on jaxflash.",
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--checkpoint", help="local HF Qwen2/Qwen2.5 directory (none: the random-"
                       "weight demo model with a byte-level tokenizer)")
-  parser.add_argument("--host", default="127.0.0.1")
-  parser.add_argument("--port", type=int, default=8000, help="0: any free port")
-  parser.add_argument("--model-name", default=None, help="the id /v1/models lists (default: the "
+  parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+  parser.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free port)")
+  parser.add_argument("--model-name", default=None, help="the id /v1/models lists (none: the "
                       "checkpoint folder's name, or 'jaxflash-demo')")
-  parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the checkpoint's; "
-                      "float32 for the demo model)")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                      help="weights and activations (none: the checkpoint's; float32 for the demo model)")
+  parser.add_argument("--kv-dtype", choices=("int8", "float8_e4m3fn"), default=None,
+                      help="keep the KV pool quantized, one float32 scale per token and KV head "
+                      "(none: the model's dtype)")
   parser.add_argument("--seed", type=int, default=0, help="the demo model's weights")
-  parser.add_argument("--attention", default=None, help="jaxflash.attention's implementation")
-  parser.add_argument("--slots", type=int, default=32, help="sequences at once (default: 32)")
-  parser.add_argument("--page-size", type=int, default=16)
-  parser.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: every "
+  parser.add_argument("--attention", default=None, help="jaxflash.attention's implementation "
+                      "(none: the best kernel for the device)")
+  parser.add_argument("--slots", type=int, default=32, help="sequences at once")
+  parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two >= 8)")
+  parser.add_argument("--num-pages", type=int, default=None, help="KV pool pages (none: every "
                       "slot's window)")
-  parser.add_argument("--max-seq-len", type=int, default=None, help="tokens per sequence (default: "
+  parser.add_argument("--max-seq-len", type=int, default=None, help="tokens per sequence (none: "
                       "the model's max_position_embeddings)")
   parser.add_argument("--token-budget", type=int, default=512, help="tokens one step feeds at most")
   parser.add_argument("--min-chunk", type=int, default=16, help="the smallest prefill chunk bucket "
                       "(a power of two; larger: fewer compilations, more padding)")
-  parser.add_argument("--no-prefix-caching", action="store_true")
+  parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt pages")
   parser.add_argument("--no-warm-up", action="store_true", help="compile steps on first use instead")
   args = parser.parse_args(argv)
   if not 0 <= args.port < 65536:
@@ -82,7 +87,7 @@ def serve_model(model, tokenizer, eos_ids, args, *, model_name: str, chat_templa
     engine = Engine(model, max_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                     max_seq_len=args.max_seq_len, token_budget=args.token_budget,
                     min_chunk=args.min_chunk, prefix_caching=not args.no_prefix_caching,
-                    attention_impl=args.attention)
+                    attention_impl=args.attention, kv_dtype=args.kv_dtype)
   except (ValueError, TypeError) as e:
     raise UserError(str(e)) from e
   if not args.no_warm_up:
