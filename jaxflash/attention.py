@@ -268,10 +268,11 @@ def _segment_kwargs(options: vjp.Options) -> dict:
                                    ("kv_segment_ids", options.kv_segment_ids)) if x is not None}
 
 
-def mosaic_reason(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None,
-                  block_table=None, bias=None, mask=None, sinks=None, *, scale=None,
-                  mods: ScoreMods = ScoreMods(), forced: bool = False, segment_ids=None,
-                  kv_segment_ids=None) -> str | None:
+def mosaic_reason(query: Array, key: Array, value: Array, query_seq_lengths: Lengths = None,
+                  key_value_seq_lengths: Lengths = None, block_table: ArrayLike | None = None,
+                  bias: Array | None = None, mask: Array | None = None, sinks: Array | None = None, *,
+                  scale: Scale = None, mods: ScoreMods = ScoreMods(), forced: bool = False,
+                  segment_ids: Array | None = None, kv_segment_ids: Array | None = None) -> str | None:
   """None when the Mosaic GPU prefill serves this call (what `implementation=None` then
   picks on sm_90), else why not: paged caches, one-token decode (unless `forced`), a traced
   scale, a top-left causal mask that differs from the bottom-right one the kernel computes,
