@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxflash._types import Array, DTypeLike
+
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 # The largest magnitude each type holds: an absmax row maps onto [-qmax, qmax].
 _QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
@@ -36,7 +38,7 @@ def quantized_dtype(dtype) -> jnp.dtype:
   return dtype
 
 
-def quantize_kv(x, dtype):
+def quantize_kv(x: Array, dtype: DTypeLike) -> tuple[Array, Array]:
   """x [..., H] float -> (x_q [..., H] of `dtype`, scale [...] float32), x ~ x_q * scale[..., None].
 
   Symmetric absmax quantization per row of H (per token and KV head for a [B, S, K, H]
@@ -61,7 +63,7 @@ def quantize_kv(x, dtype):
   return scaled.astype(dtype), scale
 
 
-def dequantize_kv(x_q, scale, dtype=jnp.float32):
+def dequantize_kv(x_q: Array, scale: Array, dtype: DTypeLike = jnp.float32) -> Array:
   """x_q [..., H], scale [...] -> x_q * scale[..., None] in `dtype` (the computation in float32)."""
   return (x_q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
 
