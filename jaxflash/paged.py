@@ -19,6 +19,7 @@ lookahead (Writing an Attention Kernel, Step 5); the paged configs (jaxflash.con
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,14 @@ def block_table_is_valid(block_table, key_value_seq_lengths, *, num_pages: int, 
   return lengths_ok & jnp.all(in_pool | ~read)
 
 
+@typing.overload
+def paged_kv_write(k_pages: Array, v_pages: Array, block_table: ArrayLike, start_positions: ArrayLike,
+                   k_new: Array, v_new: Array, new_lengths: Lengths = None, *,
+                   k_scale: None = None, v_scale: None = None) -> tuple[Array, Array]: ...
+@typing.overload
+def paged_kv_write(k_pages: Array, v_pages: Array, block_table: ArrayLike, start_positions: ArrayLike,
+                   k_new: Array, v_new: Array, new_lengths: Lengths = None, *,
+                   k_scale: Array, v_scale: Array) -> tuple[Array, Array, Array, Array]: ...
 def paged_kv_write(k_pages: Array, v_pages: Array, block_table: ArrayLike, start_positions: ArrayLike,
                    k_new: Array, v_new: Array, new_lengths: Lengths = None, *,
                    k_scale: Array | None = None, v_scale: Array | None = None) -> tuple[Array, ...]:

@@ -11,6 +11,7 @@ table of a page pool.
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,16 @@ def cache_rows(positions_ref, table_ref, batch_rows, *, capacity: int, page_size
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
+@typing.overload
+def kv_cache_write(keys: jax.Array, values: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                   positions: jax.Array, *, block_table: jax.Array | None = None,
+                   interpret: bool | None = None, k_scale: None = None,
+                   v_scale: None = None) -> tuple[jax.Array, jax.Array]: ...
+@typing.overload
+def kv_cache_write(keys: jax.Array, values: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                   positions: jax.Array, *, block_table: jax.Array | None = None,
+                   interpret: bool | None = None, k_scale: jax.Array,
+                   v_scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]: ...
 def kv_cache_write(keys: jax.Array, values: jax.Array, k_new: jax.Array, v_new: jax.Array,
                    positions: jax.Array, *, block_table: jax.Array | None = None,
                    interpret: bool | None = None, k_scale: jax.Array | None = None,
