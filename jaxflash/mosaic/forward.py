@@ -67,13 +67,13 @@ class _Consumer:
   def __init__(self, *, wg, q_ref, o_ref, lse_ref, io_smem, lse_smem, q_ready, retry_ref,
                scheduler: TileScheduler, blocks: KeyBlocks, ring: KVRing, turns: TurnOrder,
                mask: KeyMask, softmax: OnlineSoftmax, block_q, block_kv, num_consumers,
-               overlap_softmax):
+               overlap_softmax, separate_output):
     self.wg, self.q_ref, self.o_ref, self.lse_ref = wg, q_ref, o_ref, lse_ref
     self.lse_smem, self.q_ready, self.retry_ref = lse_smem, q_ready, retry_ref
     # Each consumer's Q tile, and its output tile (the Q tile's buffer again, unless a
     # separate output buffer is given).
     self.q_tile, self.o_tile = io_smem[0].at[wg], io_smem[-1].at[wg]
-    self.separate_output = len(io_smem) == 2
+    self.separate_output = separate_output
     self.scheduler, self.blocks, self.ring, self.turns = scheduler, blocks, ring, turns
     self.mask, self.softmax = mask, softmax
     self.block_q, self.block_kv, self.num_consumers = block_q, block_kv, num_consumers
@@ -359,6 +359,7 @@ def _forward_kernel(
     num_ctas: int,
     group: int,
     overlap_softmax: bool,
+    separate_output: bool,
     conditional_rescale: bool,
     num_consumers: int,
     tensor_core_row_sums: bool,
@@ -394,7 +395,7 @@ def _forward_kernel(
         mask=KeyMask(mods, block_q, block_kv, segments),
         softmax=OnlineSoftmax(qk_scale, conditional_rescale, fixed_reference, tensor_core_row_sums),
         block_q=block_q, block_kv=block_kv, num_consumers=num_consumers,
-        overlap_softmax=overlap_softmax)
+        overlap_softmax=overlap_softmax, separate_output=separate_output)
     consumer.run(item_blocks, rounds_here)
 
   @pl.when(wg == num_consumers)
@@ -539,6 +540,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
         block_kv=block_kv, num_stages=num_stages, seq_q=seq_q, seq_kv=seq_kv,
         num_q_tiles=num_q_tiles, num_heads=num_heads, batch_size=batch, num_ctas=num_ctas,
         group=num_heads // num_kv_heads, overlap_softmax=config.overlap_softmax,
+        separate_output=config.separate_output,
         conditional_rescale=config.conditional_rescale, num_consumers=num_consumers,
         tensor_core_row_sums=config.tensor_core_row_sums, fixed_reference=fixed_reference)
     kernel.__name__ = "mosaic_prefill"  # the name profiles show
