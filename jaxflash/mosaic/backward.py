@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 from jax import lax
@@ -151,6 +152,14 @@ def _swizzled():
                           plgpu.SwizzleTransform(SWIZZLE_BYTES)))
 
 
+def _load_rows(ref, layout):
+  """A [rows] float32 SMEM vector into registers in `layout`. JAX 0.10 spells the load
+  `load(ref, idx, layout=)`, later versions `load(ref, layout=)`."""
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
 def _lengths(q_len_ref, kv_len_ref, batch, seq_q: int, seq_kv: int):
   """(valid rows, valid keys, shift): query t sits at key position t + shift."""
   q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
@@ -228,7 +237,7 @@ def _dkdv_kernel(
         return s_ref[...]
 
       s_t = pl.run_scoped(scores, plgpu.ACC((block_kv, block_q), jnp.float32))  # S^T
-      lse = plgpu.load(lse_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
       p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
       if masked:
         key_pos = iota(0) + k_base
@@ -248,7 +257,7 @@ def _dkdv_kernel(
       zeros = plgpu.layout_cast(jnp.zeros((block_kv, block_q), jnp.float32), plgpu.Layout.WGMMA)
       dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
       plgpu.barrier_wait(delta_ready.at[slot])
-      delta = plgpu.load(delta_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
       def dk_step(dk_ref_):
@@ -358,8 +367,8 @@ def _dq_kernel(
 
     for barrier in loaded:
       plgpu.barrier_wait(barrier)
-    lse = plgpu.load(lse_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
-    delta = plgpu.load(delta_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+    lse = _load_rows(lse_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+    delta = _load_rows(delta_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, num_stages)
