@@ -222,3 +222,16 @@ def test_off_gpu_raises_not_implemented():
   q, k, v, d_out = _inputs(rng, 1, 8, 8, 2, 1, 64, BF16)
   with pytest.raises(NotImplementedError):
     mosaic_backward(q, k, v, q, jnp.zeros((1, 8, 2), F32), d_out)
+
+
+@gpu
+@SM90_ONLY
+def test_vmap_joins_the_batch(rng):
+  q, k, v, d_out = _inputs(rng, 2, 130, 150, 4, 2, 64, BF16)
+  out, lse = _residuals(q, k, v, causal=True)
+  f = lambda *a: mosaic_backward(*a, causal=True)
+  stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v, out, lse, d_out)]
+  batched = jax.vmap(f)(*stacked)
+  single = f(q, k, v, out, lse, d_out)
+  for got, want in zip(batched, single):
+    np.testing.assert_array_equal(np.asarray(got[0].astype(F32)), np.asarray(want.astype(F32)))

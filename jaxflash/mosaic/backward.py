@@ -443,6 +443,56 @@ def _check_args(query, key, value, out, lse, d_out):
     raise ValueError(f"lse must be [B, T, N] = {tuple(query.shape[:3])}, got {tuple(lse.shape)}")
 
 
+def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardConfig,
+            scale: float, causal: bool, seq_q: int, seq_kv: int):
+  """The two kernels on padded operands (shapes as in `_dkdv_kernel`) -> padded (dq, dk, dv)."""
+  batch, seq_q_pad, num_heads, head_dim = q.shape
+  seq_kv_pad, num_kv_heads = k.shape[1], k.shape[2]
+  block_q, block_kv = config.block_q, config.block_kv
+  swizzled = _swizzled()
+  dtype = q.dtype
+  group = num_heads // num_kv_heads
+  common = dict(qk_scale=scale * LOG2_E, scale=scale, causal=causal, block_q=block_q,
+                block_kv=block_kv, num_stages=config.num_stages, seq_q=seq_q, seq_kv=seq_kv,
+                group=group)
+  params = plgpu.CompilerParams(approx_math=True)
+  threads = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg")
+  operands = (q_len, kv_len, q, k, v, do, lse2, delta)
+
+  dkdv = functools.partial(_dkdv_kernel, **common)
+  dkdv.__name__ = "mosaic_backward_dkdv"
+  owned = plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), dtype, **swizzled)
+  ring = plgpu.SMEM((config.num_stages, block_q, head_dim), dtype, **swizzled)
+  stats_ring = plgpu.SMEM((config.num_stages, block_q), jnp.float32)
+  kv_struct = jax.ShapeDtypeStruct(k.shape, dtype)
+  dk, dv = plgpu.kernel(
+      dkdv, out_type=(kv_struct, kv_struct),
+      scratch_types=[owned, owned, ring, ring, stats_ring, stats_ring,
+                     plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+                     plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+                     *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
+                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)],
+      compiler_params=params, grid=(seq_kv_pad // (NUM_CONSUMERS * block_kv), num_kv_heads, batch),
+      grid_names=("kv_tile", "kv_head", "batch"), **threads)(*operands)
+
+  num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
+  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common)
+  dq_kernel.__name__ = "mosaic_backward_dq"
+  rows_owned = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled)
+  kv_ring = plgpu.SMEM((config.num_stages, block_kv, head_dim), dtype, **swizzled)
+  stats_owned = plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32)
+  dq = plgpu.kernel(
+      dq_kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=[rows_owned, rows_owned, stats_owned, stats_owned, kv_ring, kv_ring,
+                     plgpu.Barrier(num_barriers=4 * NUM_CONSUMERS),
+                     plgpu.Barrier(num_barriers=config.num_stages),
+                     plgpu.Barrier(num_barriers=config.num_stages),
+                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)],
+      compiler_params=params, grid=(num_q_tiles, num_heads, batch),
+      grid_names=("q_tile", "head", "batch"), **threads)(*operands)
+  return dq, dk, dv
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "config"))
 def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengths=None, *,
                     scale=None, causal: bool = False, window=None, segment_ids=None,
@@ -514,47 +564,23 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   pad4 = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
   q, do, k, v = pad4(q, seq_q_pad), pad4(do, seq_q_pad), pad4(k, seq_kv_pad), pad4(v, seq_kv_pad)
 
-  swizzled = _swizzled()
-  dtype = query.dtype
-  group = num_heads // num_kv_heads
-  common = dict(qk_scale=scale * LOG2_E, scale=scale, causal=bool(causal), block_q=block_q,
-                block_kv=block_kv, num_stages=config.num_stages, seq_q=seq_q, seq_kv=seq_kv,
-                group=group)
-  params = plgpu.CompilerParams(approx_math=True)
-  threads = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg")
-  operands = (q_len, kv_len, q, k, v, do, lse2, delta)
+  launch = functools.partial(_launch, config=config, scale=scale, causal=bool(causal), seq_q=seq_q,
+                             seq_kv=seq_kv)
 
-  dkdv = functools.partial(_dkdv_kernel, **common)
-  dkdv.__name__ = "mosaic_backward_dkdv"
-  owned = plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), dtype, **swizzled)
-  ring = plgpu.SMEM((config.num_stages, block_q, head_dim), dtype, **swizzled)
-  stats_ring = plgpu.SMEM((config.num_stages, block_q), jnp.float32)
-  kv_struct = jax.ShapeDtypeStruct(k.shape, dtype)
-  dk, dv = plgpu.kernel(
-      dkdv, out_type=(kv_struct, kv_struct),
-      scratch_types=[owned, owned, ring, ring, stats_ring, stats_ring,
-                     plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-                     plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-                     *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
-                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)],
-      compiler_params=params, grid=(seq_kv_pad // (NUM_CONSUMERS * block_kv), num_kv_heads, batch),
-      grid_names=("kv_tile", "kv_head", "batch"), **threads)(*operands)
+  @jax.custom_batching.custom_vmap
+  def run_kernels(q_len, kv_len, q, k, v, do, lse2, delta):
+    return launch(q_len, kv_len, q, k, v, do, lse2, delta)
 
-  num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
-  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common)
-  dq_kernel.__name__ = "mosaic_backward_dq"
-  rows_owned = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled)
-  kv_ring = plgpu.SMEM((config.num_stages, block_kv, head_dim), dtype, **swizzled)
-  stats_owned = plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32)
-  dq = plgpu.kernel(
-      dq_kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      scratch_types=[rows_owned, rows_owned, stats_owned, stats_owned, kv_ring, kv_ring,
-                     plgpu.Barrier(num_barriers=4 * NUM_CONSUMERS),
-                     plgpu.Barrier(num_barriers=config.num_stages),
-                     plgpu.Barrier(num_barriers=config.num_stages),
-                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)],
-      compiler_params=params, grid=(num_q_tiles, num_heads, batch),
-      grid_names=("q_tile", "head", "batch"), **threads)(*operands)
+  @run_kernels.def_vmap
+  def _vmap_rule(axis_size, in_batched, *operands):
+    # Under jax.vmap the mapped axis joins the batch (one launch, not one per problem).
+    operands = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, batched in zip(operands, in_batched)]
+    grads = launch(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in operands))
+    unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+    return tuple(unfold(g) for g in grads), (True, True, True)
+
+  dq, dk, dv = run_kernels(q_len, kv_len, q, k, v, do, lse2, delta)
   return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
 
 
