@@ -1,0 +1,587 @@
+"""FlashAttention backward for Hopper (sm_90), in Pallas Mosaic GPU.
+
+The gradients of the Mosaic prefill (jaxflash/mosaic/prefill.py), from its residuals: the
+output O and the natural-log LSE. With P = exp(scale * Q K^T - LSE) and delta = rowsum(dO * O)
+(FlashAttention-2, Dao 2023, section 3.2; Algorithm 2):
+
+    dV = P^T dO      dP = dO V^T      dS = P * (dP - delta)
+    dK = scale dS^T Q                 dQ = scale dS K
+
+Three launches, as FlashAttention-3 (Shah et al., 2024, arXiv 2407.08608) builds its sm_90
+backward, except that dQ has a kernel of its own instead of float32 atomics:
+
+* the preprocess (plain XLA, fused): delta in float32 and the LSE in base 2, both
+  transposed to [B, N, T] so a tile's rows are one contiguous TMA copy. Rows with nothing to
+  attend (LSE -inf) and padding rows get an LSE of +inf, so their P is exactly 0 without a
+  mask in the kernels;
+* dK/dV: one CTA per (block of keys, KV head, sequence). Each of two consumer warpgroups
+  owns `block_kv` keys and keeps its dK and dV in float32 registers for the whole loop; a
+  producer warpgroup streams the query blocks (Q, dO, LSE, delta) through a `num_stages`
+  ring of shared memory with TMA, for every query head of the KV head's group in turn, so
+  GQA's sum over the group happens in the registers (no [B, S, N, H] buffer, no reduction
+  after). Written transposed: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T,
+  dK += dS^T Q, all wgmma with P^T and dS^T straight from registers;
+* dQ: one CTA per (block of queries, query head, sequence), two consumer warpgroups of
+  `block_q` rows each, the producer streaming K and V: S = Q K^T, P, dP = dO V^T, dS,
+  dQ += dS K.
+
+This recomputes S and dP once more than a single kernel that adds dQ into float32 global
+memory with atomics (seven matrix products a block instead of five; Tri Dao on the 5-GEMM and
+7-GEMM forms, flash-attention issue #1172), and in exchange is deterministic: every element is
+summed in one fixed order, so repeated calls give bitwise-equal gradients.
+
+Causal attention is loop bounds: a key block's CTA starts at the first query block that sees
+any of its keys, a query block's CTA stops after the last key block it sees, and only the
+blocks that straddle the diagonal or the end of the keys run the mask. The bounds come from the
+per-sequence lengths in the kernel (data: no recompiles). Query t sits at key position
+t + kv_len - q_len (bottom-right), as in the forward.
+
+Layout: query [B, T, N, H], key/value [B, S, K, H]; H = 64 or 128; bf16 or fp16. T and S
+are padded with zeros outside the kernels to whole tiles; with lengths, rows and keys past each
+sequence's lengths are zeroed first (TMA copies whole tiles, and 0 * NaN is NaN).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from jaxflash import _checks, _mosaic
+from jaxflash._mosaic import LOG2_E, pl, plgpu
+from jaxflash.device import DeviceInfo, device_info
+# Shared with the forward (the register split between producer and consumers, the tile
+# swizzle, the dtypes).
+from jaxflash.mosaic.prefill import (DTYPES, SWIZZLE_BYTES, WARPGROUP_THREADS, _registers,
+                                     _round_up)
+
+NUM_CONSUMERS = 2  # consumer warpgroups per CTA: they share each streamed tile
+HEAD_DIMS = (64, 128)
+SMEM_RESERVE = 1024  # barriers
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardConfig:
+  """Tiles of the Mosaic backward. dK/dV kernel: each consumer owns `block_kv` keys and the
+  query blocks of `block_q` rows stream through `num_stages` ring slots. dQ kernel: each
+  consumer owns `block_q` rows and the key blocks of `block_kv` stream."""
+
+  block_q: int = 64
+  block_kv: int = 64
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if (self.block_q, self.block_kv) != (64, 64):
+      # One wgmma M tile (64 rows) per consumer in both kernels (dK and dV are [block_kv, H],
+      # dQ is [block_q, H]); two consumers' registers then hold dK, dV and a 64 x 64 score
+      # tile at H = 128.
+      raise ValueError(f"MosaicBackwardConfig takes block_q=64 and block_kv=64, got "
+                       f"block_q={self.block_q}, block_kv={self.block_kv}")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got num_stages={self.num_stages}")
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    """The larger of the two kernels' shared memory."""
+    owned_dkv = 2 * NUM_CONSUMERS * self.block_kv  # K and V tiles the consumers own
+    ring_dkv = 2 * self.num_stages * self.block_q  # Q and dO slots
+    owned_dq = 2 * NUM_CONSUMERS * self.block_q
+    ring_dq = 2 * self.num_stages * self.block_kv
+    rows = max(owned_dkv + ring_dkv, owned_dq + ring_dq)
+    stats = 2 * 4 * max(self.num_stages, NUM_CONSUMERS) * self.block_q  # LSE and delta
+    return itemsize * head_dim * rows + stats + SMEM_RESERVE
+
+
+def mosaic_backward_config(head_dim: int, dtype, info: DeviceInfo | None = None
+                           ) -> MosaicBackwardConfig:
+  """The default config: 64 x 64 tiles; two ring slots at H = 128, three at H = 64."""
+  del info, dtype  # one table for every sm_90 part (all have 227 KB of shared memory)
+  return MosaicBackwardConfig(64, 64, 2) if head_dim > 64 else MosaicBackwardConfig(64, 64, 3)
+
+
+def backward_reason(query, key, value, *, info: DeviceInfo | None = None, is_causal=False,
+                    local_window_size=None, logits_soft_cap=None, bias=None, mask=None,
+                    sinks=None, causal_alignment="bottom_right", segment_ids=None,
+                    kv_segment_ids=None, **_) -> str | None:
+  """None when `mosaic_backward` serves this call, else why not (the dispatch then runs the
+  Pallas-Triton backward). query [B, T, N, H], key/value [B, S, K, H] (arrays or
+  ShapeDtypeStructs); `info` describes the GPU (default: this process's; no GPU is a
+  reason); the other keywords are the shared interface's options."""
+  del is_causal  # both served
+  if not _mosaic.AVAILABLE:
+    return f"Pallas Mosaic GPU does not import in this JAX ({_mosaic.IMPORT_ERROR})"
+  if info is None:
+    if not _mosaic.on_gpu():
+      return "no GPU: the Mosaic GPU backward runs compiled on sm_90 only"
+    info = device_info()
+  major, minor = info.compute_capability
+  if major != _mosaic.CAPABILITY_MAJOR:
+    return (f"{info.name} is sm_{major}{minor}; the Mosaic GPU backward needs Hopper, sm_90 "
+            "(wgmma)")
+  options = dict(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap, bias=bias,
+                 mask=mask, sinks=sinks, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  for name, value_ in options.items():
+    if value_ is not None:
+      return f"{name} is not supported by the Mosaic backward yet"
+  if causal_alignment != "bottom_right":
+    return f"causal_alignment={causal_alignment!r}: the Mosaic backward is bottom-right only"
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if getattr(x, "ndim", None) != 4:
+      return f"{name} must have rank 4, got shape {getattr(x, 'shape', None)}"
+    if jnp.dtype(x.dtype) not in DTYPES:
+      return f"{name} is {jnp.dtype(x.dtype).name}; the Mosaic backward takes bfloat16 and float16"
+  if not query.dtype == key.dtype == value.dtype:
+    return "query, key and value must share one dtype for the Mosaic backward"
+  head_dim = query.shape[-1]
+  if key.shape[-1] != head_dim or value.shape != key.shape:
+    return "key and value must match each other and the query's head dim"
+  if head_dim not in HEAD_DIMS:
+    return f"head_dim={head_dim}; the Mosaic backward takes {HEAD_DIMS}"
+  if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
+    return "query heads must be a multiple of key heads"
+  config = mosaic_backward_config(head_dim, query.dtype, info)
+  if config.smem_bytes(head_dim, jnp.dtype(query.dtype).itemsize) > info.smem_per_block:
+    return f"the Mosaic backward's tiles do not fit {info.name}'s shared memory"
+  return None
+
+
+def _swizzled():
+  return dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // 2)),
+                          plgpu.SwizzleTransform(SWIZZLE_BYTES)))
+
+
+def _load_rows(ref, layout):
+  """A [rows] float32 SMEM vector into registers in `layout`. JAX 0.10 spells the load
+  `load(ref, idx, layout=)`, later versions `load(ref, layout=)`."""
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+def _lengths(q_len_ref, kv_len_ref, batch, seq_q: int, seq_kv: int):
+  """(valid rows, valid keys, shift): query t sits at key position t + shift."""
+  q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
+  q_valid = jnp.minimum(jnp.maximum(q_len, 0), seq_q)
+  kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), seq_kv)
+  return q_valid, kv_valid, kv_len - q_len
+
+
+def _cdiv(x, m: int):
+  return lax.div(x + (m - 1), m)
+
+
+def _dkdv_kernel(
+    q_len_ref,  # [B] int32 GMEM
+    kv_len_ref,  # [B] int32 GMEM
+    q_ref,  # [B, T_pad, N, H] GMEM
+    k_ref,  # [B, S_pad, K, H] GMEM
+    v_ref,  # [B, S_pad, K, H] GMEM
+    do_ref,  # [B, T_pad, N, H] GMEM
+    lse_ref,  # [B, N, T_pad] float32 GMEM: base-2 LSE, +inf on rows that attend nothing
+    delta_ref,  # [B, N, T_pad] float32 GMEM
+    dk_ref,  # [B, S_pad, K, H] GMEM
+    dv_ref,  # [B, S_pad, K, H] GMEM
+    k_smem, v_smem,  # [2, block_kv, H] SMEM: each consumer's own keys and values
+    q_smem, do_smem,  # [stages, block_q, H] SMEM ring
+    lse_smem, delta_smem,  # [stages, block_q] float32 SMEM ring
+    k_loaded, v_loaded,  # [2] barriers: a consumer's K / V tile landed
+    q_ready, do_ready, lse_ready, delta_ready,  # [stages] barriers: a slot's TMA landed
+    slot_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
+    *, qk_scale: float, scale: float, causal: bool, block_q: int, block_kv: int,
+    num_stages: int, seq_q: int, seq_kv: int, group: int,
+):
+  dtype = q_ref.dtype
+  head_dim = q_ref.shape[-1]
+  wg = lax.axis_index("wg")
+  kv_tile, kv_head, batch = (lax.axis_index(n) for n in ("kv_tile", "kv_head", "batch"))
+  cta_base = kv_tile * (NUM_CONSUMERS * block_kv)
+  q_valid, kv_valid, shift = _lengths(q_len_ref, kv_len_ref, batch, seq_q, seq_kv)
+  # Query blocks [lo, hi) hold a row that sees one of this CTA's keys: under the causal
+  # mask, rows t with t + shift >= cta_base. None when every key is past the sequence's.
+  hi = jnp.where(cta_base < kv_valid, _cdiv(q_valid, block_q), 0)
+  lo = lax.div(jnp.maximum(cta_base - shift, 0), block_q) if causal else jnp.int32(0)
+  lo = jnp.minimum(lo, hi)
+  count = hi - lo  # query blocks per query head of the group
+  consumer_registers, producer_registers = _registers(NUM_CONSUMERS)
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(consumer_registers, action="increase")
+    k_base = cta_base + wg * block_kv
+    keys = (batch, pl.ds(k_base, block_kv), kv_head)
+    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, k_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, v_loaded.at[wg])
+    # Blocks from full_lo on have every row past this consumer's last key (and the keys are
+    # all valid): no mask there.
+    if causal:
+      full_lo = _cdiv(jnp.maximum(k_base + block_kv - 1 - shift, 0), block_q)
+    else:
+      full_lo = lo
+    full_lo = jnp.where(k_base + block_kv <= kv_valid, jnp.clip(full_lo, lo, hi), hi)
+
+    def iota(dim):
+      return plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), dim, layout=plgpu.Layout.WGMMA)
+
+    def step(i, carry, *, head_step, masked: bool):
+      dk, dv = carry  # [block_kv, H] float32 each
+      slot = lax.rem(head_step * count + i - lo, num_stages)
+      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(lse_ready.at[slot])
+
+      def scores(s_ref):
+        plgpu.wgmma(s_ref, k_tile, q_tile.T)
+        return s_ref[...]
+
+      s_t = pl.run_scoped(scores, plgpu.ACC((block_kv, block_q), jnp.float32))  # S^T
+      lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      if masked:
+        key_pos = iota(0) + k_base
+        if causal:  # key s is visible to row t when s <= t + shift and s < kv_valid
+          limit = jnp.minimum(iota(1) + (i * block_q + shift), kv_valid - 1)
+          visible = key_pos <= limit
+        else:
+          visible = key_pos < kv_valid
+        p_t = jnp.where(visible, p_t, 0.0)
+      plgpu.barrier_wait(do_ready.at[slot])
+
+      def dv_and_dp(refs):
+        dv_ref_, dp_ref_ = refs
+        plgpu.wgmma(dv_ref_, p_t.astype(dtype), do_tile)  # dV += P^T dO
+        plgpu.wgmma(dp_ref_, v_tile, do_tile.T)  # dP^T = V dO^T
+
+      zeros = plgpu.layout_cast(jnp.zeros((block_kv, block_q), jnp.float32), plgpu.Layout.WGMMA)
+      dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+      plgpu.barrier_wait(delta_ready.at[slot])
+      delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+
+      def dk_step(dk_ref_):
+        plgpu.wgmma(dk_ref_, ds_t.astype(dtype), q_tile)  # dK += dS^T Q
+
+      dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
+      plgpu.barrier_arrive(slot_free.at[slot])
+      return dk, dv
+
+    def head_loop(head_step, carry):
+      masked = functools.partial(step, head_step=head_step, masked=True)
+      whole = functools.partial(step, head_step=head_step, masked=False)
+      carry = lax.fori_loop(lo, full_lo, masked, carry)
+      return lax.fori_loop(full_lo, hi, whole, carry)
+
+    zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    plgpu.barrier_wait(k_loaded.at[wg])
+    plgpu.barrier_wait(v_loaded.at[wg])
+    dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+    # The last wgmma reading this consumer's K and V has completed: their buffers take the
+    # results on the way out.
+    k_tile[...] = (dk * scale).astype(dtype)
+    v_tile[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
+    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == NUM_CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(producer_registers, action="decrease")
+
+    @pl.loop(0, group)
+    def _(head_step):
+      head = kv_head * group + head_step
+
+      @pl.loop(0, count)
+      def _(j):
+        load = head_step * count + j
+        slot = lax.rem(load, num_stages)
+        rows = pl.ds((lo + j) * block_q, block_q)
+        pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(slot_free.at[slot]))
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot],
+                                lse_ready.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot],
+                                delta_ready.at[slot])
+
+
+def _dq_kernel(
+    q_len_ref,  # [B] int32 GMEM
+    kv_len_ref,  # [B] int32 GMEM
+    q_ref,  # [B, T_pad, N, H] GMEM
+    k_ref,  # [B, S_pad, K, H] GMEM
+    v_ref,  # [B, S_pad, K, H] GMEM
+    do_ref,  # [B, T_pad, N, H] GMEM
+    lse_ref,  # [B, N, T_pad] float32 GMEM: base-2 LSE, +inf on rows that attend nothing
+    delta_ref,  # [B, N, T_pad] float32 GMEM
+    dq_ref,  # [B, T_pad, N, H] GMEM
+    q_smem, do_smem,  # [2, block_q, H] SMEM: each consumer's own rows
+    lse_smem, delta_smem,  # [2, block_q] float32 SMEM
+    k_smem, v_smem,  # [stages, block_kv, H] SMEM ring
+    rows_loaded,  # [4 * 2] barriers: a consumer's Q, dO, LSE, delta landed
+    k_ready, v_ready,  # [stages] barriers
+    slot_free,  # [stages] barriers, 2 arrivals
+    *, qk_scale: float, scale: float, causal: bool, block_q: int, block_kv: int,
+    num_stages: int, seq_q: int, seq_kv: int, group: int, num_q_tiles: int,
+):
+  dtype = q_ref.dtype
+  head_dim = q_ref.shape[-1]
+  wg = lax.axis_index("wg")
+  # The longest rows (the last, under the causal mask) launch first.
+  tile = num_q_tiles - 1 - lax.axis_index("q_tile")
+  head, batch = lax.axis_index("head"), lax.axis_index("batch")
+  kv_head = lax.div(head, group)
+  cta_base = tile * (NUM_CONSUMERS * block_q)
+  q_valid, kv_valid, shift = _lengths(q_len_ref, kv_len_ref, batch, seq_q, seq_kv)
+  # Key blocks [0, hi) hold a key one of this CTA's valid rows sees.
+  kv_end = kv_valid
+  if causal:
+    last_row = jnp.minimum(cta_base + NUM_CONSUMERS * block_q, q_valid) - 1
+    kv_end = jnp.clip(last_row + shift + 1, 0, kv_valid)
+  hi = jnp.where(cta_base < q_valid, _cdiv(kv_end, block_kv), 0)
+  consumer_registers, producer_registers = _registers(NUM_CONSUMERS)
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(consumer_registers, action="increase")
+    q_base = cta_base + wg * block_q
+    rows = (batch, pl.ds(q_base, block_q), head)
+    stats = (batch, head, pl.ds(q_base, block_q))
+    q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+    loaded = [rows_loaded.at[NUM_CONSUMERS * n + wg] for n in range(4)]
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tile, loaded[0])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_tile, loaded[1])
+    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], loaded[2])
+    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], loaded[3])
+    # Key blocks before full_hi are seen whole by every row of this consumer.
+    full_hi = lax.div(kv_valid, block_kv)
+    if causal:
+      full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(q_base + shift + 1, 0), block_kv))
+    full_hi = jnp.clip(full_hi, 0, hi)
+
+    def iota(dim):
+      return plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), dim, layout=plgpu.Layout.WGMMA)
+
+    for barrier in loaded:
+      plgpu.barrier_wait(barrier)
+    lse = _load_rows(lse_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+    delta = _load_rows(delta_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+
+    def step(j, dq, *, masked: bool):
+      slot = lax.rem(j, num_stages)
+      k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+
+      def s_and_dp(refs):
+        s_ref, dp_ref_ = refs
+        plgpu.wgmma(s_ref, q_tile, k_tile.T)  # S = Q K^T
+        plgpu.wgmma(dp_ref_, do_tile, v_tile.T)  # dP = dO V^T
+
+      zeros = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
+      s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+      if masked:
+        key_pos = iota(1) + j * block_kv
+        if causal:
+          visible = key_pos <= jnp.minimum(iota(0) + (q_base + shift), kv_valid - 1)
+        else:
+          visible = key_pos < kv_valid
+        p = jnp.where(visible, p, 0.0)
+      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+
+      def dq_step(dq_ref_):
+        plgpu.wgmma(dq_ref_, ds.astype(dtype), k_tile)  # dQ += dS K
+
+      dq = pl.run_state(dq_step)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(slot_free.at[slot])
+      return dq
+
+    dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
+    q_tile[...] = (dq * scale).astype(dtype)  # (the last wgmma reading Q has completed)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == NUM_CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(producer_registers, action="decrease")
+
+    @pl.loop(0, hi)
+    def _(j):
+      slot = lax.rem(j, num_stages)
+      keys = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+      pl.when(j >= num_stages)(lambda: plgpu.barrier_wait(slot_free.at[slot]))
+      plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+
+
+def _check_args(query, key, value, out, lse, d_out):
+  _checks.check_qkv(query, key, value)
+  _checks.check_same_batch(query, key)
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if jnp.dtype(x.dtype) not in DTYPES:
+      raise TypeError(f"{name} must be bfloat16 or float16 for the Mosaic backward, got "
+                      f"{jnp.dtype(x.dtype).name} {tuple(x.shape)}")
+  if not query.dtype == key.dtype == value.dtype:
+    raise TypeError(f"query, key and value must share one dtype for the Mosaic backward, got "
+                    f"{query.dtype}, {key.dtype} and {value.dtype}")
+  if query.shape[-1] not in HEAD_DIMS:
+    raise ValueError(f"the Mosaic backward takes head dims {HEAD_DIMS}, got query "
+                     f"{tuple(query.shape)}")
+  if out.shape != query.shape:
+    raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+  if d_out.shape != query.shape:
+    raise ValueError(f"d_out must have the query's shape {tuple(query.shape)}, got "
+                     f"{tuple(d_out.shape)}")
+  if lse.shape != query.shape[:3]:
+    raise ValueError(f"lse must be [B, T, N] = {tuple(query.shape[:3])}, got {tuple(lse.shape)}")
+
+
+def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardConfig,
+            scale: float, causal: bool, seq_q: int, seq_kv: int):
+  """The two kernels on padded operands (shapes as in `_dkdv_kernel`) -> padded (dq, dk, dv)."""
+  batch, seq_q_pad, num_heads, head_dim = q.shape
+  seq_kv_pad, num_kv_heads = k.shape[1], k.shape[2]
+  block_q, block_kv = config.block_q, config.block_kv
+  swizzled = _swizzled()
+  dtype = q.dtype
+  group = num_heads // num_kv_heads
+  common = dict(qk_scale=scale * LOG2_E, scale=scale, causal=causal, block_q=block_q,
+                block_kv=block_kv, num_stages=config.num_stages, seq_q=seq_q, seq_kv=seq_kv,
+                group=group)
+  params = plgpu.CompilerParams(approx_math=True)
+  threads = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg")
+  operands = (q_len, kv_len, q, k, v, do, lse2, delta)
+
+  dkdv = functools.partial(_dkdv_kernel, **common)
+  dkdv.__name__ = "mosaic_backward_dkdv"
+  owned = plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), dtype, **swizzled)
+  ring = plgpu.SMEM((config.num_stages, block_q, head_dim), dtype, **swizzled)
+  stats_ring = plgpu.SMEM((config.num_stages, block_q), jnp.float32)
+  kv_struct = jax.ShapeDtypeStruct(k.shape, dtype)
+  dk, dv = plgpu.kernel(
+      dkdv, out_type=(kv_struct, kv_struct),
+      scratch_types=[owned, owned, ring, ring, stats_ring, stats_ring,
+                     plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+                     plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+                     *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
+                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)],
+      compiler_params=params, grid=(seq_kv_pad // (NUM_CONSUMERS * block_kv), num_kv_heads, batch),
+      grid_names=("kv_tile", "kv_head", "batch"), **threads)(*operands)
+
+  num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
+  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common)
+  dq_kernel.__name__ = "mosaic_backward_dq"
+  rows_owned = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled)
+  kv_ring = plgpu.SMEM((config.num_stages, block_kv, head_dim), dtype, **swizzled)
+  stats_owned = plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32)
+  dq = plgpu.kernel(
+      dq_kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=[rows_owned, rows_owned, stats_owned, stats_owned, kv_ring, kv_ring,
+                     plgpu.Barrier(num_barriers=4 * NUM_CONSUMERS),
+                     plgpu.Barrier(num_barriers=config.num_stages),
+                     plgpu.Barrier(num_barriers=config.num_stages),
+                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)],
+      compiler_params=params, grid=(num_q_tiles, num_heads, batch),
+      grid_names=("q_tile", "head", "batch"), **threads)(*operands)
+  return dq, dk, dv
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "config"))
+def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengths=None, *,
+                    scale=None, causal: bool = False, window=None, segment_ids=None,
+                    kv_segment_ids=None, d_lse=None, config: MosaicBackwardConfig | None = None):
+  """Gradients (dq [B, T, N, H], dk, dv [B, S, K, H], in the inputs' dtype) of
+  `jaxflash.mosaic.prefill_attention` on sm_90.
+
+  query [B, T, N, H], key/value [B, S, K, H] (N a multiple of K; H 64 or 128; bf16 or fp16);
+  out [B, T, N, H] and lse [B, T, N] (natural log) the forward's residuals; d_out the
+  output's cotangent, d_lse (optional, [B, T, N]) the LSE's. q_lengths, kv_lengths: optional
+  int [B], bottom-right alignment as in the forward. dK/dV are summed over each KV head's
+  group of query heads inside the kernel. Deterministic (no atomics).
+
+  window, segment_ids and kv_segment_ids are not served yet: they raise
+  NotImplementedError (`backward_reason` says so before the call).
+  """
+  for name, option in (("window", window), ("segment_ids", segment_ids),
+                       ("kv_segment_ids", kv_segment_ids)):
+    if option is not None:
+      raise NotImplementedError(f"{name} is not supported by the Mosaic backward yet; use "
+                                "jaxflash.prefill_backward")
+  _check_args(query, key, value, out, lse, d_out)
+  if not _mosaic.AVAILABLE:
+    raise NotImplementedError(f"Pallas Mosaic GPU does not import here: {_mosaic.IMPORT_ERROR}")
+  batch, seq_q, num_heads, head_dim = query.shape
+  seq_kv, num_kv_heads = key.shape[1], key.shape[2]
+  q_lengths = _checks.check_lengths("q_lengths", q_lengths, batch)
+  kv_lengths = _checks.check_lengths("kv_lengths", kv_lengths, batch)
+  scale = _checks.default_scale(scale, head_dim)
+  if not isinstance(scale, float):
+    raise TypeError("the Mosaic backward takes a static float scale")
+  config = config or mosaic_backward_config(head_dim, query.dtype)
+  if 0 in (batch, seq_q, num_heads) or seq_kv == 0:
+    return jnp.zeros_like(query), jnp.zeros_like(key), jnp.zeros_like(value)
+  if not _mosaic.on_gpu():
+    raise NotImplementedError(_mosaic.INTERPRET_GAPS)
+
+  block_q, block_kv = config.block_q, config.block_kv
+  seq_q_pad = _round_up(seq_q, NUM_CONSUMERS * block_q)
+  seq_kv_pad = _round_up(seq_kv, NUM_CONSUMERS * block_kv)
+  q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else q_lengths
+  kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
+
+  # The preprocess. delta = rowsum(dO * O) (minus the LSE's cotangent), and the LSE in base 2;
+  # rows that attend nothing (LSE -inf, padding included) get +inf there, so P = 0, and
+  # delta 0. NaN stays NaN.
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  if d_lse is not None:
+    delta = delta - d_lse.astype(jnp.float32)
+  lse = lse.astype(jnp.float32)
+  empty = lse == -jnp.inf
+  if q_lengths is not None:
+    empty |= (jnp.arange(seq_q)[None, :] >= q_lengths[:, None])[:, :, None]
+  lse2 = jnp.where(empty, jnp.inf, lse * LOG2_E)
+  delta = jnp.where(empty, 0.0, delta)
+  row_pad = ((0, 0), (0, seq_q_pad - seq_q), (0, 0))
+  lse2 = jnp.pad(lse2, row_pad, constant_values=jnp.inf).transpose(0, 2, 1)  # [B, N, T_pad]
+  delta = jnp.pad(delta, row_pad).transpose(0, 2, 1)  # [B, N, T_pad]
+  q, do = query, d_out.astype(query.dtype)
+  if q_lengths is not None:
+    # TMA copies whole tiles: rows past a sequence's length reach the tensor cores as they
+    # are, and 0 * NaN is NaN.
+    rows_ok = (jnp.arange(seq_q)[None, :] < q_lengths[:, None])[:, :, None, None]
+    q, do = jnp.where(rows_ok, q, 0), jnp.where(rows_ok, do, 0)
+  k, v = key, value
+  if kv_lengths is not None:
+    keys_ok = (jnp.arange(seq_kv)[None, :] < kv_lengths[:, None])[:, :, None, None]
+    k, v = jnp.where(keys_ok, k, 0), jnp.where(keys_ok, v, 0)
+  pad4 = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
+  q, do, k, v = pad4(q, seq_q_pad), pad4(do, seq_q_pad), pad4(k, seq_kv_pad), pad4(v, seq_kv_pad)
+
+  launch = functools.partial(_launch, config=config, scale=scale, causal=bool(causal), seq_q=seq_q,
+                             seq_kv=seq_kv)
+
+  @jax.custom_batching.custom_vmap
+  def run_kernels(q_len, kv_len, q, k, v, do, lse2, delta):
+    return launch(q_len, kv_len, q, k, v, do, lse2, delta)
+
+  @run_kernels.def_vmap
+  def _vmap_rule(axis_size, in_batched, *operands):
+    # Under jax.vmap the mapped axis joins the batch (one launch, not one per problem).
+    operands = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, batched in zip(operands, in_batched)]
+    grads = launch(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in operands))
+    unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+    return tuple(unfold(g) for g in grads), (True, True, True)
+
+  dq, dk, dv = run_kernels(q_len, kv_len, q, k, v, do, lse2, delta)
+  return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
+
+
+__all__ = ["mosaic_backward", "backward_reason", "MosaicBackwardConfig", "mosaic_backward_config"]

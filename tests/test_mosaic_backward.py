@@ -1,0 +1,237 @@
+"""The Mosaic GPU (sm_90) backward against float64 gradients.
+
+The kernels run compiled only (marker `gpu`): JAX's Mosaic GPU interpret mode cannot run
+wgmma on transposed shared-memory operands nor accumulators in place
+(jaxflash._mosaic.INTERPRET_GAPS), so on the CPU the tests check what needs no GPU:
+`backward_reason` on device descriptions (the dispatch rule), the config and the argument
+checks. The residuals (out, LSE) come from the plain-JAX reference, so a failure here is the
+backward's own. Tolerance as tests/test_prefill_backward.py: a small multiple of plain XLA
+attention's error in the same dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflash import _mosaic
+from jaxflash.device import A100, H200, RTX_4060_LAPTOP
+from jaxflash.mosaic.backward import (MosaicBackwardConfig, backward_reason, mosaic_backward,
+                                      mosaic_backward_config)
+from jaxflash.reference import attention_reference
+from tests.conftest import HAS_GPU, SM90_ONLY, poison_allocator
+from tests.test_prefill_backward import _check_grads, _inputs, grads_f64
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+gpu = pytest.mark.gpu
+CPU_ONLY = pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a GPU")
+NEEDS_MOSAIC = pytest.mark.skipif(not _mosaic.AVAILABLE,
+                                  reason=f"no Mosaic GPU in this JAX: {_mosaic.IMPORT_ERROR}")
+
+
+def _residuals(q, k, v, *, causal, q_lengths=None, kv_lengths=None):
+  """The forward's (out in the inputs' dtype, natural-log LSE), from the float32 reference."""
+  out, lse = attention_reference(q.astype(F32), k.astype(F32), v.astype(F32),
+                                 scale=q.shape[-1] ** -0.5, is_causal=causal,
+                                 query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths)
+  return out.astype(q.dtype), lse
+
+
+def _grads(q, k, v, d_out, q_lengths=None, kv_lengths=None, *, causal, **kwargs):
+  out, lse = _residuals(q, k, v, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+  poison_allocator(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
+  return mosaic_backward(q, k, v, out, lse, d_out, q_lengths, kv_lengths, causal=causal, **kwargs)
+
+
+# (batch, T, S, N, K, head_dim, dtype, causal): odd lengths, T < S and T > S, GQA groups
+# 1, 2, 5, 6, 7, both head dims and dtypes.
+CASES = [
+    (1, 17, 17, 2, 1, 64, BF16, True),
+    (2, 100, 129, 6, 1, 128, F16, True),  # T < S: bottom-right diagonal
+    (1, 129, 100, 5, 1, 128, BF16, True),  # T > S: the first 29 rows see no key
+    (1, 33, 70, 7, 1, 64, BF16, False),
+    (1, 256, 256, 2, 2, 128, BF16, True),  # whole tiles: only the diagonal is masked
+    (1, 300, 257, 4, 2, 64, F16, False),
+    (2, 1000, 1100, 12, 2, 128, BF16, True),  # many tiles, the ring wraps many times
+    (1, 1, 129, 4, 2, 128, BF16, True),  # one query row
+]
+
+
+def _case_id(case):
+  b, t, s, n, kh, h, dtype, causal = case
+  return f"b{b}-t{t}-s{s}-n{n}-k{kh}-h{h}-{jnp.dtype(dtype).name}-{'causal' if causal else 'full'}"
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gradients_match_float64(case, rng):
+  b, t, s, n, kh, h, dtype, causal = case
+  q, k, v, d_out = _inputs(rng, b, t, s, n, kh, h, dtype)
+  grads = _grads(q, k, v, d_out, causal=causal)
+  _check_grads(grads, q, k, v, d_out, is_causal=causal)
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ragged_lengths_give_zero_gradients_on_padding(causal, rng):
+  # Full; short queries over long keys; zero keys; zero queries; more queries than keys.
+  q_lengths = np.array([129, 5, 100, 0, 129], np.int32)
+  kv_lengths = np.array([137, 137, 0, 130, 9], np.int32)
+  q, k, v, d_out = _inputs(rng, 5, 129, 137, 6, 2, 128, BF16)
+  pad_q = (np.arange(129)[None, :] >= q_lengths[:, None])[:, :, None, None]
+  pad_kv = (np.arange(137)[None, :] >= kv_lengths[:, None])[:, :, None, None]
+  out, lse = _residuals(q, k, v, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+  # Padding holds garbage (NaN, inf): none of it may reach a gradient.
+  dirty = (jnp.where(pad_q, jnp.nan, q), jnp.where(pad_kv, jnp.inf, k), jnp.where(pad_kv, jnp.nan, v))
+  d_out_dirty = jnp.where(pad_q, jnp.nan, d_out)
+  grads = mosaic_backward(*dirty, out, lse, d_out_dirty, jnp.asarray(q_lengths),
+                          jnp.asarray(kv_lengths), causal=causal)
+  _check_grads(grads, q, k, v, jnp.where(pad_q, 0, d_out), is_causal=causal, q_lengths=q_lengths,
+               kv_lengths=kv_lengths)
+  dq, dk, dv = (np.asarray(x.astype(F32)) for x in grads)
+  assert (dq[np.broadcast_to(pad_q, dq.shape)] == 0).all(), "padded query rows: zero dq"
+  assert (dk[np.broadcast_to(pad_kv, dk.shape)] == 0).all(), "padded keys: zero dk"
+  assert (dv[np.broadcast_to(pad_kv, dv.shape)] == 0).all(), "padded keys: zero dv"
+  assert (dq[2] == 0).all() and (dk[3] == 0).all(), "nothing to attend: zero gradients"
+
+
+@gpu
+@SM90_ONLY
+def test_lse_cotangent(rng):
+  q, k, v, d_out = _inputs(rng, 1, 200, 190, 4, 2, 64, F16)
+  d_lse = jnp.asarray(rng.standard_normal((1, 200, 4)), F32)
+  out, lse = _residuals(q, k, v, causal=True)
+  grads = mosaic_backward(q, k, v, out, lse, d_out, causal=True, d_lse=d_lse)
+  want = grads_f64(q, k, v, d_out, is_causal=True, d_lse=d_lse)
+  for got, ref in zip(grads, want):
+    err = np.abs(np.asarray(got.astype(F32), np.float64) - ref).max()
+    assert err <= 1e-2 * max(1.0, np.abs(ref).max()), err
+
+
+@gpu
+@SM90_ONLY
+def test_deterministic(rng):
+  """No atomics: every element is summed in one order, so two calls agree bit for bit."""
+  q, k, v, d_out = _inputs(rng, 1, 700, 700, 6, 1, 128, BF16)
+  out, lse = _residuals(q, k, v, causal=True)
+  first = mosaic_backward(q, k, v, out, lse, d_out, causal=True)
+  second = mosaic_backward(q, k, v, out, lse, d_out, causal=True)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(b.astype(F32)))
+
+
+@gpu
+@SM90_ONLY
+def test_mosaic_forward_with_mosaic_backward(rng):
+  """jax.grad through the Mosaic prefill with this backward as its VJP (the bench's wiring)."""
+  from bench.mosaic_backward import mosaic_attention
+  q, k, v, d_out = _inputs(rng, 1, 300, 300, 6, 2, 128, BF16)
+  grads = jax.jit(lambda q, k, v: jax.vjp(mosaic_attention, q, k, v)[1](d_out))(q, k, v)
+  _check_grads(grads, q, k, v, d_out, is_causal=True)
+
+
+# ----------------------------------------------------------------------------- CPU: no kernels
+
+def _struct(shape, dtype=BF16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+Q, KV = _struct((1, 100, 6, 128)), _struct((1, 90, 2, 128))
+
+
+@NEEDS_MOSAIC
+def test_reason_none_on_hopper():
+  assert backward_reason(Q, KV, KV, info=H200) is None
+  assert backward_reason(Q, KV, KV, info=H200, is_causal=True) is None
+  q64, kv64 = _struct((2, 7, 5, 64), F16), _struct((2, 9, 1, 64), F16)
+  assert backward_reason(q64, kv64, kv64, info=H200) is None
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("info", [A100, RTX_4060_LAPTOP], ids=lambda i: i.name)
+def test_reason_other_gpus(info):
+  assert "sm_90" in backward_reason(Q, KV, KV, info=info)
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("option,value", [
+    ("local_window_size", (8, 0)), ("logits_soft_cap", 30.0), ("bias", np.zeros((1,))),
+    ("mask", np.ones((1,), bool)), ("sinks", np.zeros((6,))), ("segment_ids", np.zeros((1, 100))),
+    ("kv_segment_ids", np.zeros((1, 90)))])
+def test_reason_names_unserved_options(option, value):
+  reason = backward_reason(Q, KV, KV, info=H200, **{option: value})
+  assert reason is not None and option in reason
+
+
+@NEEDS_MOSAIC
+def test_reason_shapes_and_dtypes():
+  assert "causal_alignment" in backward_reason(Q, KV, KV, info=H200, causal_alignment="top_left")
+  for h in (80, 192, 256):
+    q, kv = _struct((1, 8, 2, h)), _struct((1, 8, 1, h))
+    assert f"head_dim={h}" in backward_reason(q, kv, kv, info=H200)
+  q32, kv32 = _struct((1, 8, 2, 64), F32), _struct((1, 8, 1, 64), F32)
+  assert "float32" in backward_reason(q32, kv32, kv32, info=H200)
+  assert "multiple" in backward_reason(_struct((1, 8, 3, 64)), _struct((1, 8, 2, 64)),
+                                       _struct((1, 8, 2, 64)), info=H200)
+
+
+@CPU_ONLY
+def test_reason_without_gpu():
+  assert backward_reason(Q, KV, KV) is not None
+
+
+def test_config_checks_and_default():
+  with pytest.raises(ValueError, match="block_kv"):
+    MosaicBackwardConfig(64, 128)
+  with pytest.raises(ValueError, match="num_stages"):
+    MosaicBackwardConfig(num_stages=0)
+  for h in (64, 128):
+    config = mosaic_backward_config(h, BF16)
+    assert config.smem_bytes(h, 2) <= H200.smem_per_block
+    assert dataclasses.replace(config) == config  # frozen and hashable: a static argument
+    hash(config)
+
+
+@NEEDS_MOSAIC
+def test_bad_arguments_raise_naming_them():
+  rng = np.random.default_rng(0)
+  q, k, v, d_out = _inputs(rng, 1, 8, 8, 2, 1, 64, BF16)
+  out, lse = q, jnp.zeros((1, 8, 2), F32)
+  with pytest.raises(ValueError, match="lse"):
+    mosaic_backward(q, k, v, out, lse[:, :4], d_out)
+  with pytest.raises(ValueError, match="d_out"):
+    mosaic_backward(q, k, v, out, lse, d_out[:, :4])
+  with pytest.raises(TypeError, match="query"):
+    mosaic_backward(q.astype(F32), k, v, out, lse, d_out)
+  with pytest.raises(NotImplementedError, match="window"):
+    mosaic_backward(q, k, v, out, lse, d_out, window=(4, 0))
+  q80, k80 = _inputs(rng, 1, 8, 8, 2, 1, 80, BF16)[:2]
+  with pytest.raises(ValueError, match="head dims"):
+    mosaic_backward(q80, k80, k80, q80, lse, q80)
+
+
+@CPU_ONLY
+@NEEDS_MOSAIC
+def test_off_gpu_raises_not_implemented():
+  rng = np.random.default_rng(0)
+  q, k, v, d_out = _inputs(rng, 1, 8, 8, 2, 1, 64, BF16)
+  with pytest.raises(NotImplementedError):
+    mosaic_backward(q, k, v, q, jnp.zeros((1, 8, 2), F32), d_out)
+
+
+@gpu
+@SM90_ONLY
+def test_vmap_joins_the_batch(rng):
+  q, k, v, d_out = _inputs(rng, 2, 130, 150, 4, 2, 64, BF16)
+  out, lse = _residuals(q, k, v, causal=True)
+  f = lambda *a: mosaic_backward(*a, causal=True)
+  stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v, out, lse, d_out)]
+  batched = jax.vmap(f)(*stacked)
+  single = f(q, k, v, out, lse, d_out)
+  for got, want in zip(batched, single):
+    np.testing.assert_array_equal(np.asarray(got[0].astype(F32)), np.asarray(want.astype(F32)))
