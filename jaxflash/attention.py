@@ -81,12 +81,13 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
 
   Differentiable (jax.grad, jax.vjp, under jit, vmap, checkpoint, scan and on a mesh) with
   every option: the prefill and one-token decode paths, whichever forward kernel runs
-  (Pallas-Triton or Mosaic GPU), are differentiated by the FlashAttention-2 backward kernels
-  (jaxflash/prefill_backward.py), which give the gradients of query, key, value, bias,
-  sinks and a traced scale; paged decode raises NotImplementedError when differentiated,
-  as do second derivatives; jax.jvp raises JAX's custom_vjp error. backward_implementation
-  (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`): None or "triton" (the Pallas-Triton backward);
-  "mosaic" raises NotImplementedError until the Mosaic GPU backward is built.
+  (Pallas-Triton or Mosaic GPU), are differentiated by FlashAttention-2 backward kernels,
+  which give the gradients of query, key, value, bias, sinks and a traced scale; paged
+  decode raises NotImplementedError when differentiated, as do second derivatives; jax.jvp
+  raises JAX's custom_vjp error. backward_implementation (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`):
+  None (the Mosaic GPU backward after the Mosaic forward where it serves the call:
+  `jaxflash.vjp.mosaic_backward_reason`; else Pallas-Triton), "triton", or "mosaic" (ValueError
+  with the reason where it cannot serve).
 
   Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
   and KV heads K over the same mesh axes); each device runs the kernel on its shard, with
@@ -250,6 +251,7 @@ def prefill_attention(query: Array, key: Array, value: Array, query_seq_lengths:
                              vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
                                          kv_segment_ids=kv_segment_ids),
                              mods=mods, backward_implementation=backward_implementation,
+                             static_scale=_concrete_scale(scale, query.shape[-1]),
                              backward_config=backward_config)
   return (out, lse) if return_residual else out
 
@@ -394,14 +396,15 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     from jaxflash.mosaic import prefill_attention as mosaic_prefill
     kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
                                local_window_size=mods.window, return_residual=True)
-    # The Mosaic forward, differentiated by the Triton backward: its out and LSE are the
-    # ones `prefill_attention` returns (mosaic_reason let only bottom-right semantics here).
+    # The Mosaic forward, differentiated by the backward vjp.choose_backward picks (the Mosaic
+    # one on sm_90 where it serves; mosaic_reason let only bottom-right semantics here).
     result = _differentiable(
         lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths,
                                                **_segment_kwargs(o)),
         query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
                                        kv_segment_ids=kv_segment_ids), mods=mods,
-        backward_implementation=backward_implementation)
+        backward_implementation=backward_implementation,
+        static_scale=static_scale)
   elif own_kernels and static_scale is not None and _decode_semantics(query, q_lengths, mods):
     # Only the options given reach the decode kernels (each a keyword they take): the
     # arrays as operands, the static ones bound here.
@@ -429,7 +432,9 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
         return sharding.decode(kernel, q, k, v, o.kv_lengths, **arrays)
       result = _differentiable(forward, query, key, value,
                                vjp.Options(None, kv_lengths, scale=static_scale, **options),
-                               mods=mods, backward_implementation=backward_implementation)
+                               # One query row a sequence: the Triton backward.
+                               mods=mods, backward_implementation=backward_implementation,
+                               static_scale=None)
   elif own_kernels and paged and _paged_prefill_serves(mods, static_scale, options):
     from jaxflash.paged_prefill import paged_prefill_attention
     kernel = functools.partial(paged_prefill_attention, scale=static_scale,
@@ -457,7 +462,8 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     result = _differentiable(forward, query, key, value,
                              vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
                                          kv_segment_ids=kv_segment_ids, **options), mods=mods,
-                             backward_implementation=backward_implementation)
+                             backward_implementation=backward_implementation,
+                             static_scale=static_scale)
   return _finish(result, return_residual, unbatched)
 
 
@@ -564,12 +570,12 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
 
 
 def _differentiable(forward, query, key, value, options, *, mods: ScoreMods, backward_implementation,
-                    backward_config=None):
+                    static_scale: float | None, backward_config=None):
   """forward (jaxflash/vjp.py's protocol, returning (out, lse)) differentiated by the backward
-  `vjp._choose_backward` picks for the call's options; both sharding-aware."""
-  backward = vjp._choose_backward(backward_implementation, mods=mods, head_dim=query.shape[-1],
-                                  dtype=jnp.promote_types(query.dtype, key.dtype),
-                                  config=backward_config)
+  `vjp.choose_backward` picks for the call (the Mosaic GPU one needs `static_scale`); both
+  sharding-aware."""
+  backward = vjp.choose_backward(backward_implementation, query, key, value, options, mods=mods,
+                                 static_scale=static_scale, config=backward_config)
   options = options._replace(scale=_checks.scale_operand(options.scale, query.shape[-1]))
   return vjp.with_backward(forward, query, key, value, options, backward=backward,
                            return_residual=True)

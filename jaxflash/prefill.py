@@ -240,18 +240,21 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                                                            seq_kv)
   mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
+  static_scale = head_dim ** -0.5 if scale is None else _checks.split_scale(scale)[0]
   scale = _checks.scale_operand(scale, head_dim)
   tile_dtype = jnp.promote_types(query.dtype, key.dtype)
   config = resolve_config(config, head_dim, tile_dtype)
-  backward = vjp._choose_backward(backward_implementation, mods=mods, head_dim=head_dim,
-                                  dtype=tile_dtype, config=backward_config, interpret=interpret)
+  options = vjp.Options(q_lengths, kv_lengths, bias=bias, mask=mask, sinks=sinks, scale=scale,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  # The Pallas-Triton forward keeps the Triton backward unless "mosaic" is asked.
+  backward = vjp.choose_backward(backward_implementation or "triton", query, key, value, options,
+                                 mods=mods, static_scale=static_scale, config=backward_config,
+                                 interpret=interpret)
 
   def forward(q, k, v, options: vjp.Options, with_lse):
     return prefill_forward(q, k, v, options.q_lengths, options.kv_lengths, **options.arrays(),
                            mods=mods, return_residual=with_lse, config=config, interpret=interpret)
 
-  options = vjp.Options(q_lengths, kv_lengths, bias=bias, mask=mask, sinks=sinks, scale=scale,
-                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   return vjp.with_backward(forward, query, key, value, options, backward=backward,
                            return_residual=return_residual)
 

@@ -24,8 +24,9 @@ from jaxflash import prefill_backward, sharding
 from jaxflash.option_grads import option_grads
 from jaxflash.score_mods import ScoreMods
 
-# None: the Triton backward, for every forward. "triton": the same, named. "mosaic": the
-# Pallas Mosaic GPU backward (sm_90), not built yet.
+# None: the Pallas Mosaic GPU backward where it serves the call (sm_90; `mosaic_backward_reason`
+# says why not), else the Pallas-Triton one. "triton" / "mosaic" force one ("mosaic" raises
+# ValueError with the reason where it cannot serve).
 BACKWARD_IMPLEMENTATIONS = (None, "triton", "mosaic")
 
 
@@ -119,14 +120,52 @@ def check_backward_implementation(backward_implementation):
   return backward_implementation
 
 
-def _choose_backward(backward_implementation, *, mods: ScoreMods, head_dim: int, dtype,
-                     config=None, interpret=None) -> Callable:
-  """The backward for this call, chosen at trace time: None and "triton" give the Triton
-  kernels (every GPU, every option, interpretable on a CPU); "mosaic" is reserved for the
-  Mosaic GPU backward. config: a BackwardConfig for the Triton kernels (None: tuned)."""
+def mosaic_backward(mods: ScoreMods, static_scale: float) -> Callable:
+  """The Mosaic GPU backward (jaxflash/mosaic/backward.py) as a `with_backward` backward,
+  sharding-aware like the Triton one."""
+  from jaxflash.mosaic.backward import mosaic_backward as kernel_launch
+
+  def kernel(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, **options):
+    del options  # mosaic_backward_reason let through only calls without array options
+    dq, dk, dv = kernel_launch(q, k, v, out, lse, d_out, q_len, kv_len, scale=static_scale,
+                               causal=mods.is_causal, d_lse=d_lse)
+    return dq, dk, dv, None
+
+  def backward(q, k, v, options: Options, out, lse, d_out, d_lse):
+    return sharding.prefill_backward(kernel, q, k, v, options.q_lengths, options.kv_lengths, out,
+                                     lse, d_out, d_lse, **options.arrays())
+
+  return backward
+
+
+def mosaic_backward_reason(query, key, value, options: Options, *, mods: ScoreMods,
+                           static_scale: float | None) -> str | None:
+  """None when the Mosaic GPU backward serves this call, else why not."""
+  from jaxflash.mosaic.backward import backward_reason
+  reason = backward_reason(query, key, value, is_causal=mods.is_causal,
+                           local_window_size=mods.window, logits_soft_cap=mods.logits_soft_cap,
+                           causal_alignment=mods.causal_alignment if mods.is_causal else "bottom_right",
+                           bias=options.bias, mask=options.mask, sinks=options.sinks,
+                           segment_ids=options.segment_ids, kv_segment_ids=options.kv_segment_ids)
+  if reason is None and static_scale is None:
+    reason = "a traced scale, or a forward that is not the Mosaic prefill's (its scale is compiled in)"
+  if reason is None and sharding.manual_axes():
+    reason = "inside jax.shard_map the Pallas-Triton backward runs"
+  return reason
+
+
+def choose_backward(backward_implementation, query, key, value, options: Options, *,
+                    mods: ScoreMods, static_scale: float | None, config=None,
+                    interpret=None) -> Callable:
+  """The backward for this call, chosen at trace time (BACKWARD_IMPLEMENTATIONS). config: a
+  BackwardConfig for the Triton kernels (None: tuned)."""
   check_backward_implementation(backward_implementation)
-  if backward_implementation == "mosaic":
-    raise NotImplementedError(
-        "backward_implementation='mosaic': the Pallas Mosaic GPU backward is not in this build; "
-        "use backward_implementation=None or 'triton' (the Pallas-Triton backward)")
-  return triton_backward(mods, prefill_backward.resolve_config(config, head_dim, dtype), interpret)
+  if backward_implementation != "triton":
+    reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)
+    if reason is None:
+      return mosaic_backward(mods, static_scale)
+    if backward_implementation == "mosaic":
+      raise ValueError(f"backward_implementation='mosaic' cannot serve this call: {reason}")
+  dtype = jax.numpy.promote_types(query.dtype, key.dtype)
+  return triton_backward(mods, prefill_backward.resolve_config(config, query.shape[-1], dtype),
+                         interpret)

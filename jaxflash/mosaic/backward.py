@@ -1,6 +1,6 @@
 """FlashAttention backward for Hopper (sm_90), in Pallas Mosaic GPU.
 
-The gradients of the Mosaic prefill (jaxflash/mosaic/prefill.py), from its residuals: the
+The gradients of the Mosaic prefill (jaxflash/mosaic/forward.py), from its residuals: the
 output O and the natural-log LSE. With P = exp(scale * Q K^T - LSE) and delta = rowsum(dO * O)
 (FlashAttention-2, Dao 2023, section 3.2; Algorithm 2):
 
@@ -55,8 +55,7 @@ from jaxflash._mosaic import LOG2_E, pl, plgpu
 from jaxflash.device import DeviceInfo, device_info
 # Shared with the forward (the register split between producer and consumers, the tile
 # swizzle, the dtypes).
-from jaxflash.mosaic.prefill import (DTYPES, SWIZZLE_BYTES, WARPGROUP_THREADS, _registers,
-                                     _round_up)
+from jaxflash.mosaic.config import DTYPES, SWIZZLE_BYTES, registers, round_up
 
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA: they share each streamed tile
 HEAD_DIMS = (64, 128)
@@ -204,11 +203,11 @@ def _dkdv_kernel(
   lo = lax.div(jnp.maximum(cta_base - shift, 0), block_q) if causal else jnp.int32(0)
   lo = jnp.minimum(lo, hi)
   count = hi - lo  # query blocks per query head of the group
-  consumer_registers, producer_registers = _registers(NUM_CONSUMERS)
+  consumer_registers, producer_registers = registers(NUM_CONSUMERS)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(consumer_registers, action="increase")
+    plgpu.set_maxregisters(consumer_registers, action="increase")
     k_base = cta_base + wg * block_kv
     keys = (batch, pl.ds(k_base, block_kv), kv_head)
     k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
@@ -288,7 +287,7 @@ def _dkdv_kernel(
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(producer_registers, action="decrease")
+    plgpu.set_maxregisters(producer_registers, action="decrease")
 
     @pl.loop(0, group)
     def _(head_step):
@@ -342,11 +341,11 @@ def _dq_kernel(
     last_row = jnp.minimum(cta_base + NUM_CONSUMERS * block_q, q_valid) - 1
     kv_end = jnp.clip(last_row + shift + 1, 0, kv_valid)
   hi = jnp.where(cta_base < q_valid, _cdiv(kv_end, block_kv), 0)
-  consumer_registers, producer_registers = _registers(NUM_CONSUMERS)
+  consumer_registers, producer_registers = registers(NUM_CONSUMERS)
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(consumer_registers, action="increase")
+    plgpu.set_maxregisters(consumer_registers, action="increase")
     q_base = cta_base + wg * block_q
     rows = (batch, pl.ds(q_base, block_q), head)
     stats = (batch, head, pl.ds(q_base, block_q))
@@ -410,7 +409,7 @@ def _dq_kernel(
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(producer_registers, action="decrease")
+    plgpu.set_maxregisters(producer_registers, action="decrease")
 
     @pl.loop(0, hi)
     def _(j):
@@ -518,7 +517,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   if not _mosaic.AVAILABLE:
     raise NotImplementedError(f"Pallas Mosaic GPU does not import here: {_mosaic.IMPORT_ERROR}")
   batch, seq_q, num_heads, head_dim = query.shape
-  seq_kv, num_kv_heads = key.shape[1], key.shape[2]
+  seq_kv = key.shape[1]
   q_lengths = _checks.check_lengths("q_lengths", q_lengths, batch)
   kv_lengths = _checks.check_lengths("kv_lengths", kv_lengths, batch)
   scale = _checks.default_scale(scale, head_dim)
@@ -531,8 +530,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
 
   block_q, block_kv = config.block_q, config.block_kv
-  seq_q_pad = _round_up(seq_q, NUM_CONSUMERS * block_q)
-  seq_kv_pad = _round_up(seq_kv, NUM_CONSUMERS * block_kv)
+  seq_q_pad = round_up(seq_q, NUM_CONSUMERS * block_q)
+  seq_kv_pad = round_up(seq_kv, NUM_CONSUMERS * block_kv)
   q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else q_lengths
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
 

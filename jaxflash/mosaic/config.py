@@ -13,6 +13,7 @@ NUM_CONSUMERS = 2  # consumer warpgroups per CTA by default (FlashAttention-3's 
 REGISTER_FILE = 65536  # 32-bit registers per SM (and per CTA: one CTA per SM)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 WARPGROUP_THREADS = 128
+SWIZZLE_BYTES = 128
 SMEM_RESERVE = 1024  # barriers (no reduction scratch: row reductions stay inside a warp)
 ROW_SUM_COLUMNS = 8  # tensor_core_row_sums: rows of ones below V^T (wgmma's N steps by 8)
 
@@ -227,3 +228,7 @@ def supports(query, key, value, query_seq_lengths=None, key_value_seq_lengths=No
   except ValueError as e:
     return str(e)
   return None
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m

@@ -50,14 +50,14 @@ from jaxflash import _checks, _mosaic
 from jaxflash._mosaic import LN_2, LOG2_E, pl, plgpu
 from jaxflash.device import device_info
 from jaxflash.mosaic.config import (DTYPES, ROW_SUM_COLUMNS, MosaicPrefillConfig, check_config,
-                                    mosaic_prefill_config, registers)
+                                    mosaic_prefill_config, registers, round_up,
+                                    SWIZZLE_BYTES)
 from jaxflash.mosaic.mask import KeyMask, iota
 from jaxflash.mosaic.pipeline import KeyBlocks, KVRing, TileScheduler, TurnOrder
 from jaxflash.mosaic.segments import Segments, block_ranges, check_segment_ids, pad_ids
 from jaxflash.mosaic.softmax import OnlineSoftmax, rows_bcast
 from jaxflash.score_mods import ScoreMods
 
-SWIZZLE_BYTES = 128
 
 
 class _Consumer:
@@ -473,7 +473,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   block_q, block_kv = config.block_q, config.block_kv
   num_consumers = config.num_consumers
   q_rows = num_consumers * block_q
-  seq_q_pad, seq_kv_pad = _round_up(seq_q, q_rows), _round_up(seq_kv, block_kv)
+  seq_q_pad, seq_kv_pad = round_up(seq_q, q_rows), round_up(seq_kv, block_kv)
   q = query if seq_q_pad == seq_q else jnp.pad(query, ((0, 0), (0, seq_q_pad - seq_q), (0, 0), (0, 0)))
   kv_pad = ((0, 0), (0, seq_kv_pad - seq_kv), (0, 0), (0, 0))
   k = key if seq_kv_pad == seq_kv else jnp.pad(key, kv_pad)
@@ -622,6 +622,3 @@ def _with_segment_refs(kernel):
   with_segments.__name__ = kernel.__name__
   return with_segments
 
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
