@@ -207,7 +207,7 @@ def _dkdv_kernel(
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
-    plgpu.set_maxregisters(consumer_registers, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
     k_base = cta_base + wg * block_kv
     keys = (batch, pl.ds(k_base, block_kv), kv_head)
     k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
@@ -287,7 +287,7 @@ def _dkdv_kernel(
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
-    plgpu.set_maxregisters(producer_registers, action="decrease")
+    plgpu.set_max_registers(producer_registers, action="decrease")
 
     @pl.loop(0, group)
     def _(head_step):
@@ -345,7 +345,7 @@ def _dq_kernel(
 
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
-    plgpu.set_maxregisters(consumer_registers, action="increase")
+    plgpu.set_max_registers(consumer_registers, action="increase")
     q_base = cta_base + wg * block_q
     rows = (batch, pl.ds(q_base, block_q), head)
     stats = (batch, head, pl.ds(q_base, block_q))
@@ -409,7 +409,7 @@ def _dq_kernel(
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
-    plgpu.set_maxregisters(producer_registers, action="decrease")
+    plgpu.set_max_registers(producer_registers, action="decrease")
 
     @pl.loop(0, hi)
     def _(j):
