@@ -40,9 +40,9 @@ from bench.timing import Timing, device_times_us, free_memory, has_gpu, record_r
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
-IMPLS = ("jaxflash", "jaxflash_default", "jaxflash_triton_bwd", "cudnn", "fa3", "tokamax", "pallas_mha", "xla")
-LABELS = {"jaxflash": "jaxflash Triton", "jaxflash_default": "jaxflash default (Mosaic on sm_90)",
-          "jaxflash_triton_bwd": "jaxflash default fwd + Triton bwd",
+IMPLS = ("jaxflash", "jaxflash_default", "jaxflash_mosaic_bwd", "cudnn", "fa3", "tokamax", "pallas_mha", "xla")
+LABELS = {"jaxflash": "jaxflash Triton", "jaxflash_default": "jaxflash default (Mosaic fwd on sm_90)",
+          "jaxflash_mosaic_bwd": "jaxflash default + Mosaic bwd",
           "cudnn": "cuDNN (jax.nn)", "fa3": "FlashAttention-3",
           "tokamax": "tokamax mosaic", "pallas_mha": "JAX Pallas mha", "xla": "jax.nn xla"}
 MAX_N_XLA = 16384  # jax.nn "xla" keeps the n x n probabilities for its backward
@@ -63,9 +63,9 @@ def jaxflash_default_attention(q, k, v):
   return jaxflash.attention(q, k, v, is_causal=True)
 
 
-def jaxflash_triton_backward_attention(q, k, v):
+def jaxflash_mosaic_backward_attention(q, k, v):
   import jaxflash
-  return jaxflash.attention(q, k, v, is_causal=True, backward_implementation="triton")
+  return jaxflash.attention(q, k, v, is_causal=True, backward_implementation="mosaic")
 
 
 def cudnn_attention(q, k, v):
@@ -91,7 +91,7 @@ def pallas_mha_attention(q, k, v):
 
 
 CONTENDERS = {"jaxflash": jaxflash_attention(), "jaxflash_default": jaxflash_default_attention,
-              "jaxflash_triton_bwd": jaxflash_triton_backward_attention,
+              "jaxflash_mosaic_bwd": jaxflash_mosaic_backward_attention,
               "cudnn": cudnn_attention, "fa3": peers.fa3_attention,
               "tokamax": peers.tokamax_attention, "pallas_mha": pallas_mha_attention, "xla": xla_attention}
 

@@ -85,9 +85,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   which give the gradients of query, key, value, bias, sinks and a traced scale; paged
   decode raises NotImplementedError when differentiated, as do second derivatives; jax.jvp
   raises JAX's custom_vjp error. backward_implementation (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`):
-  None (the Mosaic GPU backward after the Mosaic forward where it serves the call:
-  `jaxflash.vjp.mosaic_backward_reason`; else Pallas-Triton), "triton", or "mosaic" (ValueError
-  with the reason where it cannot serve).
+  None or "triton" (Pallas-Triton), or "mosaic" (the Mosaic GPU backward on sm_90 after the
+  Mosaic forward: d = 64 / 128, causal or not, lengths; ValueError with
+  `jaxflash.vjp.mosaic_backward_reason` where it cannot serve).
 
   Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
   and KV heads K over the same mesh axes); each device runs the kernel on its shard, with
@@ -396,8 +396,8 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     from jaxflash.mosaic import prefill_attention as mosaic_prefill
     kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
                                local_window_size=mods.window, return_residual=True)
-    # The Mosaic forward, differentiated by the backward vjp.choose_backward picks (the Mosaic
-    # one on sm_90 where it serves; mosaic_reason let only bottom-right semantics here).
+    # The Mosaic forward, differentiated by the backward vjp.choose_backward picks
+    # (mosaic_reason let only bottom-right semantics here).
     result = _differentiable(
         lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths,
                                                **_segment_kwargs(o)),

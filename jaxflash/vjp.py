@@ -24,9 +24,9 @@ from jaxflash import prefill_backward, sharding
 from jaxflash.option_grads import option_grads
 from jaxflash.score_mods import ScoreMods
 
-# None: the Pallas Mosaic GPU backward where it serves the call (sm_90; `mosaic_backward_reason`
-# says why not), else the Pallas-Triton one. "triton" / "mosaic" force one ("mosaic" raises
-# ValueError with the reason where it cannot serve).
+# None and "triton": the Pallas-Triton backward (every GPU, every option). "mosaic": the Pallas
+# Mosaic GPU backward (sm_90; ValueError with `mosaic_backward_reason` where it cannot serve).
+# It passes its compiled gradient tests; it becomes the sm_90 default once measured faster.
 BACKWARD_IMPLEMENTATIONS = (None, "triton", "mosaic")
 
 
@@ -160,12 +160,11 @@ def choose_backward(backward_implementation, query, key, value, options: Options
   """The backward for this call, chosen at trace time (BACKWARD_IMPLEMENTATIONS). config: a
   BackwardConfig for the Triton kernels (None: tuned)."""
   check_backward_implementation(backward_implementation)
-  if backward_implementation != "triton":
+  if backward_implementation == "mosaic":
     reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)
-    if reason is None:
-      return mosaic_backward(mods, static_scale)
-    if backward_implementation == "mosaic":
+    if reason is not None:
       raise ValueError(f"backward_implementation='mosaic' cannot serve this call: {reason}")
+    return mosaic_backward(mods, static_scale)
   dtype = jax.numpy.promote_types(query.dtype, key.dtype)
   return triton_backward(mods, prefill_backward.resolve_config(config, query.shape[-1], dtype),
                          interpret)

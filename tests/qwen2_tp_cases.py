@@ -105,14 +105,19 @@ def _single_device_model(device):
 
 
 def _collectives(hlo: str) -> list[dict]:
-  """Each collective of a compiled program: kind, the shape of its (first) result and the
-  shapes of all its results (several when XLA combined collectives into one)."""
+  """Each collective of a compiled program: kind, the shape of its (first) result, the
+  shapes of all its results (several when XLA combined collectives into one), and whether
+  it belongs to the sampler (its op name under the `sample` scope: the top-k / top-p
+  branches, which need the vocabulary-split logits whole)."""
   found = []
   for match in COLLECTIVE.finditer(hlo):
     shape_text, kind = match.groups()
     shapes = [[int(d) for d in dims.split(",") if d]
               for dims in re.findall(r"\[([\d,]*)\]", shape_text)]
-    found.append(dict(kind=kind, shape=shapes[0] if shapes else [], shapes=shapes, text=shape_text))
+    line_end = hlo.find("\n", match.end())
+    line = hlo[match.start():None if line_end < 0 else line_end]
+    found.append(dict(kind=kind, shape=shapes[0] if shapes else [], shapes=shapes, text=shape_text,
+                      sampling="/sample/" in line))
   return found
 
 
@@ -146,7 +151,7 @@ def _decode_step(sampler, cache_kind: str):
   skinny = "jaxflash_skinny_matmul" in str(jax.make_jaxpr(step)(*args))
   before = jax.tree.map(lambda x: x.sharding, state.cache)
   # The step run is the program compiled above (sampler.decode would compile it again).
-  after = jax.tree.map(lambda x: x.sharding, compiled(*args).cache)
+  after = jax.tree.map(lambda x: x.sharding, compiled(*args, sampling=greedy).cache)
   return created, pool_shape, before, after, compiled.as_text(), skinny
 
 

@@ -128,10 +128,15 @@ def test_deterministic(rng):
 @gpu
 @SM90_ONLY
 def test_mosaic_forward_with_mosaic_backward(rng):
-  """jax.grad through the Mosaic prefill with this backward as its VJP (the bench's wiring)."""
-  from bench.mosaic_backward import mosaic_attention
+  """jax.grad through jaxflash.attention with backward_implementation="mosaic": the Mosaic
+  prefill and this backward as its VJP."""
+  import jaxflash
+
+  def attend(q, k, v):
+    return jaxflash.attention(q, k, v, is_causal=True, backward_implementation="mosaic")
+
   q, k, v, d_out = _inputs(rng, 1, 300, 300, 6, 2, 128, BF16)
-  grads = jax.jit(lambda q, k, v: jax.vjp(mosaic_attention, q, k, v)[1](d_out))(q, k, v)
+  grads = jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1](d_out))(q, k, v)
   _check_grads(grads, q, k, v, d_out, is_causal=True)
 
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from models import qwen2
 from tests.conftest import run_on_forced_cpu_devices
+from tests.qwen2_tp_cases import PROMPTS
 
 LOGITS_TOLERANCE = 2e-5  # float32 relative to the largest logit: all-reduce sums in another order
 DEVICE_COUNTS = (2, 4)
@@ -55,8 +56,16 @@ def _check(result, data_parallel: bool = False):
     assert facts["step_keeps_shardings"], f"{kind}: the decode step moved the cache"
     assert facts["skinny_in_step"], f"{kind}: the projections did not run jaxflash.skinny_matmul"
     big = {tuple(s) for s in facts["weight_or_cache_shapes"]}
-    reduces = [c for c in facts["collectives"] if c["kind"] == "all-reduce"]
-    others = [c for c in facts["collectives"] if c["kind"] != "all-reduce"]
+    # The sampler's branches (temperature, top-k, top-p are data, chosen on the device) see
+    # the vocabulary-split logits: at most one row of logits a sequence moves.
+    config = qwen2.Qwen2Config.tiny()
+    sampling = [c for c in facts["collectives"] if c["sampling"]]
+    for c in sampling:
+      for shape in c["shapes"]:
+        assert math.prod(shape) <= len(PROMPTS) * config.vocab_size, f"{kind}: sampling {c}"
+    step = [c for c in facts["collectives"] if not c["sampling"]]
+    reduces = [c for c in step if c["kind"] == "all-reduce"]
+    others = [c for c in step if c["kind"] != "all-reduce"]
     # Two all-reduces a layer (after o_proj and down_proj), of one token's hidden state;
     # counted by result array, since a GPU compiler combines several into one tuple.
     reduced = [shape for c in reduces for shape in c["shapes"]]

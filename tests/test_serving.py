@@ -313,8 +313,9 @@ def test_generate_command_serves_a_requests_file(tmp_path, capsys):
   path.write_text('"Hello"\n{"prompt": "The sky is", "max_new_tokens": 2, "seed": 3}\n'
                   '{"prompt": "x", "max_new_tokens": -1}\n')
   assert command.main(["--requests", str(path), "--max-new-tokens", "3", "--attention", "xla"]) == 0
-  out = capsys.readouterr().out
-  assert "request 3 refused: max_new_tokens must be >= 0" in out
+  captured = capsys.readouterr()
+  assert "request 3 refused: max_new_tokens must be >= 0" in captured.err
+  out = captured.out
   assert "2 requests, 5 new tokens" in out and "time to first token: p50" in out
 
 
