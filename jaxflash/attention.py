@@ -353,15 +353,7 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
 
   paged = block_table is not None
-  if paged:
-    block_table = _checks.check_block_table(block_table, batch)
-    _checks.check_page_size(key.shape[1])
-    if kv_lengths is None:
-      raise ValueError("block_table needs key_value_seq_lengths: the valid tokens per sequence")
-    seq_kv = block_table.shape[1] * key.shape[1]
-  else:
-    _checks.check_same_batch(query, key)
-    seq_kv = key.shape[1]
+  block_table, seq_kv = _checked_keys(query, key, block_table, kv_lengths)
   scores_shape = (batch, num_heads, t, seq_kv)
   bias = _checks.check_bias(bias, scores_shape)
   mask = _checks.check_mask(mask, scores_shape)
@@ -485,15 +477,7 @@ def _quantized_attention(query, key, value, k_scale, v_scale, bias, mask, scale,
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   paged = block_table is not None
-  if paged:
-    block_table = _checks.check_block_table(block_table, batch)
-    _checks.check_page_size(key.shape[1])
-    if kv_lengths is None:
-      raise ValueError("block_table needs key_value_seq_lengths: the valid tokens per sequence")
-    seq_kv = block_table.shape[1] * key.shape[1]
-  else:
-    _checks.check_same_batch(query, key)
-    seq_kv = key.shape[1]
+  block_table, seq_kv = _checked_keys(query, key, block_table, kv_lengths)
   scores_shape = (batch, num_heads, t, seq_kv)
   options = dict(bias=_checks.check_bias(bias, scores_shape), mask=_checks.check_mask(mask, scores_shape),
                  sinks=_checks.check_sinks(sinks, num_heads))
@@ -523,6 +507,19 @@ def _quantized_attention(query, key, value, k_scale, v_scale, bias, mask, scale,
                         return_residual=True, implementation=implementation,
                         backward_implementation=None)
   return _finish(result, return_residual, unbatched)
+
+
+def _checked_keys(query, key, block_table, kv_lengths):
+  """(the checked block table or None, S: the key positions a sequence has). key is a page
+  pool [P, page, K, H] with a block table, else [B, S, K, H]."""
+  if block_table is None:
+    _checks.check_same_batch(query, key)
+    return None, key.shape[1]
+  block_table = _checks.check_block_table(block_table, query.shape[0])
+  _checks.check_page_size(key.shape[1])
+  if kv_lengths is None:
+    raise ValueError("block_table needs key_value_seq_lengths: the valid tokens per sequence")
+  return block_table, block_table.shape[1] * key.shape[1]
 
 
 def _paged_prefill_serves(mods: ScoreMods, static_scale, options) -> bool:

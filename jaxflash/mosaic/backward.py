@@ -55,7 +55,7 @@ from jaxflash._mosaic import LOG2_E, pl, plgpu
 from jaxflash.device import DeviceInfo, device_info
 # Shared with the forward (the register split between producer and consumers, the tile
 # swizzle, the dtypes).
-from jaxflash.mosaic.config import DTYPES, SWIZZLE_BYTES, registers, round_up
+from jaxflash.mosaic.config import DTYPES, SWIZZLE_BYTES, device_reason, registers, round_up
 
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA: they share each streamed tile
 HEAD_DIMS = (64, 128)
@@ -109,16 +109,10 @@ def backward_reason(query, key, value, *, info: DeviceInfo | None = None, is_cau
   ShapeDtypeStructs); `info` describes the GPU (default: this process's; no GPU is a
   reason); the other keywords are the shared interface's options."""
   del is_causal  # both served
-  if not _mosaic.AVAILABLE:
-    return f"Pallas Mosaic GPU does not import in this JAX ({_mosaic.IMPORT_ERROR})"
-  if info is None:
-    if not _mosaic.on_gpu():
-      return "no GPU: the Mosaic GPU backward runs compiled on sm_90 only"
-    info = device_info()
-  major, minor = info.compute_capability
-  if major != _mosaic.CAPABILITY_MAJOR:
-    return (f"{info.name} is sm_{major}{minor}; the Mosaic GPU backward needs Hopper, sm_90 "
-            "(wgmma)")
+  reason = device_reason(info)
+  if reason is not None:
+    return reason
+  info = info or device_info()
   options = dict(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap, bias=bias,
                  mask=mask, sinks=sinks, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   for name, value_ in options.items():

@@ -194,16 +194,10 @@ def supports(query, key, value, query_seq_lengths=None, key_value_seq_lengths=No
   local_window_size and the segment ids) are reasons when set.
   """
   del query_seq_lengths, key_value_seq_lengths  # lengths are always served
-  if not _mosaic.AVAILABLE:
-    return f"Pallas Mosaic GPU does not import in this JAX ({_mosaic.IMPORT_ERROR})"
-  if info is None:
-    if not _mosaic.on_gpu():
-      return "no GPU: the Mosaic GPU kernel runs compiled on sm_90 only"
-    info = device_info()
-  major, minor = info.compute_capability
-  if major != _mosaic.CAPABILITY_MAJOR:
-    return (f"{info.name} is sm_{major}{minor}; the Mosaic GPU kernel needs Hopper, sm_90 "
-            "(wgmma, which later GPUs replace with tcgen05)")
+  reason = device_reason(info)
+  if reason is not None:
+    return reason
+  info = info or device_info()
   for name, default in _UNSUPPORTED_OPTIONS.items():
     value_ = options.get(name, default)
     if value_ is not None and not (isinstance(default, str) and value_ == default):
@@ -232,3 +226,18 @@ def supports(query, key, value, query_seq_lengths=None, key_value_seq_lengths=No
 
 def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+def device_reason(info: DeviceInfo | None) -> str | None:
+  """Why the Mosaic GPU kernels cannot run on `info` (None: this process's GPU), else None."""
+  if not _mosaic.AVAILABLE:
+    return f"Pallas Mosaic GPU does not import in this JAX ({_mosaic.IMPORT_ERROR})"
+  if info is None:
+    if not _mosaic.on_gpu():
+      return "no GPU: the Mosaic GPU kernels run compiled on sm_90 only"
+    info = device_info()
+  major, minor = info.compute_capability
+  if major != _mosaic.CAPABILITY_MAJOR:
+    return (f"{info.name} is sm_{major}{minor}; the Mosaic GPU kernels need Hopper, sm_90 "
+            "(wgmma, which later GPUs replace with tcgen05)")
+  return None
