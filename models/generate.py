@@ -227,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
   prompt_ids = tokenizer.encode(prompt).ids
   if not prompt_ids:
     raise UserError("the prompt is empty (it encodes to no tokens)")
+  limit = model.config.max_position_embeddings
+  if not args.requests and len(prompt_ids) + max_new > limit:
+    raise UserError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens {max_new} exceed the "
+                    f"model's max_position_embeddings {limit}")
   backend = jax.default_backend()
   kernels = "jaxflash kernels" + ("" if backend == "gpu" else " (Pallas interpret mode: no GPU)")
   attention = {None: kernels, "xla": "jaxflash's plain-JAX path"}.get(args.attention,

@@ -54,6 +54,7 @@ def _assert_user_error(result: subprocess.CompletedProcess, message: str) -> Non
     (["--requests", "/nonexistent/requests.jsonl"], "requests file /nonexistent/requests.jsonl does not exist"),
     (["--dtype", "banana"], "invalid choice: 'banana'"),
     (["--top-k", "ten"], "invalid int value: 'ten'"),
+    (["--max-new-tokens", "100000"], "exceed the model's max_position_embeddings"),
 ])
 def test_generate_user_errors(argv, message):
   _assert_user_error(_run(sys.executable, "-m", "models.generate", *argv), message)
