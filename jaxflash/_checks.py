@@ -145,7 +145,7 @@ def default_scale(scale, head_dim: int):
 def scale_operand(scale, head_dim: int):
   """scale (None, a number or a scalar array, traced or not) -> float32 [] array."""
   if scale is not None and hasattr(scale, "shape") and tuple(scale.shape) not in ((), (1,)):
-    raise ValueError(f"scale must be a scalar, got {_describe(scale)}")
+    raise ValueError(f"scale must be a real scalar, got {_describe(scale)}")
   if scale is not None and hasattr(scale, "dtype") and not (
       jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
     raise TypeError(f"scale must be a real number, got {_describe(scale)}")

@@ -273,7 +273,7 @@ BAD = [
     (dict(local_window_size=-2), ValueError, r"local_window_size"),
     (dict(logits_soft_cap=-1.0), ValueError, r"logits_soft_cap"),
     (dict(causal_alignment="left"), ValueError, r"causal_alignment"),
-    (dict(scale=jnp.ones((3,))), ValueError, r"scale must be a scalar"),
+    (dict(scale=jnp.ones((3,))), ValueError, r"scale must be a real scalar"),
 ]
 
 

@@ -416,7 +416,7 @@ BAD_OPTIONS = [
     (dict(local_window_size=(1, 2, 3)), ValueError, r"local_window_size"),
     (dict(logits_soft_cap=0.0), ValueError, r"logits_soft_cap"),
     (dict(causal_alignment="center"), ValueError, r"causal_alignment"),
-    (dict(scale=jnp.ones((2,), F32)), ValueError, r"scale must be a scalar.*\(2,\)"),
+    (dict(scale=jnp.ones((2,), F32)), ValueError, r"scale must be a real scalar.*\(2,\)"),
 ]
 
 
