@@ -11,11 +11,12 @@ host (or the HTTP client) holds it. Each slot count (32, 128, 256) runs the whol
 trace.
 
   * engine: chunked prefill (512-token step budget, chunks 128/256/512) + prefix caching,
-    stepped from the benchmark's thread;
+    up to 4 decode steps a dispatch while no prompt is fed, stepped from the benchmark's thread;
   * engine_http: the same engine behind `python -m models.serve`'s app on a loopback port
     (engine thread, Starlette + uvicorn, streamed server-sent events), requests sent by an
     asyncio httpx client: the server's own cost is the gap to `engine`;
-  * engine, no prefix cache; engine, no chunked prefill (whole prompts in one step);
+  * engine, no prefix cache; engine, no chunked prefill (whole prompts in one step); engine,
+    one decode step a dispatch (what the multi-step dispatch gains);
   * static: `generate` on the requests arrived when the previous batch finished (up to the
     slot count; the batch is filled up with one-token prompts so that its shape is fixed),
     run until the batch's longest output (one decode step a call, so tokens stream one by
@@ -25,7 +26,8 @@ trace.
   * generate_step: the generate loop's decode step at the same batch (its ITL column),
     for reference: what a token costs without any serving.
 Reported: output tokens/s and requests/s (first arrival to last token), TTFT (arrival to
-first token) mean / p50 / p99, ITL (gaps between a request's tokens) p50 / p99, preemptions,
+first token) mean / p50 / p99, ITL (gaps between a request's tokens) p50 / p99, TPOT (a
+request's time per output token after its first) p50 / p99, preemptions,
 prefix-cache hits, and the engine's compilations (done in a warm-up before the clock starts;
 static batching's prompt buckets are compiled the same way).
 
@@ -248,12 +250,16 @@ def metrics(results) -> dict:
   ends = [t[-1] for _, t in results if t]
   ttft = np.array([t[0] - a for a, t in results if t])
   itl = np.concatenate([np.diff(t) for _, t in results if len(t) > 1] or [np.zeros(0)])
+  # Time per output token after the first, per request: unlike ITL, blind to tokens that
+  # arrive in bursts (a multi-step dispatch hands the host several at once).
+  tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) for _, t in results if len(t) > 1])
   tokens = sum(len(t) for _, t in results)
   span = max(ends) - min(arrivals)
   pct = lambda x, q: float(np.percentile(x, q) * 1e3) if len(x) else None
   return dict(output_tok_s=tokens / span, requests_s=len(results) / span, span_s=span,
               ttft_mean_ms=float(ttft.mean() * 1e3), ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99),
-              itl_p50_ms=pct(itl, 50), itl_p99_ms=pct(itl, 99), output_tokens=tokens)
+              itl_p50_ms=pct(itl, 50), itl_p99_ms=pct(itl, 99), tpot_p50_ms=pct(tpot, 50),
+              tpot_p99_ms=pct(tpot, 99), output_tokens=tokens)
 
 
 # ----------------------------------------------------------------------------- the systems
@@ -263,9 +269,11 @@ ENGINES = {  # label -> Engine options
     "engine_http": dict(chunked_prefill=True, prefix_caching=True),
     "engine_no_prefix": dict(chunked_prefill=True, prefix_caching=False),
     "engine_no_chunking": dict(chunked_prefill=False, prefix_caching=True),
+    "engine_single_step": dict(chunked_prefill=True, prefix_caching=True, decode_steps=1),
 }
 LABELS = {"engine": "engine (chunked + prefix cache)", "engine_http": "engine through HTTP",
           "engine_no_prefix": "engine, no prefix cache", "engine_no_chunking": "engine, no chunked prefill",
+          "engine_single_step": "engine, one decode step a dispatch",
           "static": "static batching (generate)", "generate_step": "generate loop's decode step"}
 
 
@@ -343,7 +351,8 @@ def columns():
           ("output_tok_s", "output tok/s", "{:.0f}"), ("requests_s", "req/s", "{:.2f}"),
           ("ttft_mean_ms", "TTFT mean ms", "{:.0f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
           ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
-          ("itl_p99_ms", "ITL p99 ms", "{:.1f}"), ("preemptions", "preempted"),
+          ("itl_p99_ms", "ITL p99 ms", "{:.1f}"), ("tpot_p50_ms", "TPOT p50 ms", "{:.1f}"),
+          ("tpot_p99_ms", "TPOT p99 ms", "{:.1f}"), ("preemptions", "preempted"),
           ("prefix_hit_tokens", "prefix-hit tokens"), ("compilations", "compiles")]
 
 
@@ -364,7 +373,7 @@ def main(argv=None):
   # Most telling first, so that a run cut short by its budget still has them.
   top = max(shape.rates)
   cells = [("sharegpt", top, slots, system) for slots in shape.slots
-           for system in ("engine", "static", "engine_http", "generate_step")]
+           for system in ("engine", "static", "engine_http", "generate_step", "engine_single_step")]
   cells += [("sharegpt", rate, slots, system) for slots in shape.slots for rate in shape.rates
             if rate != top for system in ("engine", "static", "engine_http")]
   cells += [("shared_system_prompt", rate, shape.slots[0], system) for rate in shape.shared_rates
@@ -375,7 +384,10 @@ def main(argv=None):
   notes = ["compiles: the compilations a run's warm-up added (engines and samplers of one model "
            "share their compiled steps, so later runs reuse the earlier ones: 0)",
            "static batching fills each batch up to the slot count with one-token prompts and runs "
-           "it to its longest output, one decode step a call"]
+           "it to its longest output, one decode step a call",
+           "the engine decodes up to 4 tokens a dispatch while no prompt is fed; they reach the host "
+           "together, so its ITL p50 is a gap inside such a burst: TPOT (a request's time per output "
+           "token after its first) compares the systems"]
   vocab = model.config.vocab_size
   sharegpt = make_trace(shape, 1.0, vocab, shared=False)
   prompt_per_output = np.mean([len(r.prompt) for r in sharegpt]) / np.mean([r.output_len for r in sharegpt])

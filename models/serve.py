@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--token-budget", type=int, default=512, help="tokens one step feeds at most")
   parser.add_argument("--min-chunk", type=int, default=16, help="the smallest prefill chunk bucket "
                       "(a power of two; larger: fewer compilations, more padding)")
+  parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per dispatch while "
+                      "no prompt is being fed (1: one a dispatch; more: fewer host round trips, "
+                      "tokens stream in bursts)")
   parser.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt pages")
   parser.add_argument("--no-warm-up", action="store_true", help="compile steps on first use instead")
   args = parser.parse_args(argv)
@@ -87,6 +90,7 @@ def serve_model(model, tokenizer, eos_ids, args, *, model_name: str, chat_templa
     engine = Engine(model, max_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                     max_seq_len=args.max_seq_len, token_budget=args.token_budget,
                     min_chunk=args.min_chunk, prefix_caching=not args.no_prefix_caching,
+                    decode_steps=args.decode_steps,
                     attention_impl=args.attention, kv_dtype=args.kv_dtype)
   except (ValueError, TypeError) as e:
     raise UserError(str(e)) from e

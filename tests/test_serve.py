@@ -204,14 +204,15 @@ def test_malformed_json_gets_400(server):
 
 
 def test_a_client_that_disconnects_frees_its_slot(server, monkeypatch):
-  """Steps slowed to >= 20 ms: a request of 86 tokens would take 1.7 s; its client leaves
-  after a token (streamed) or 0.3 s (whole), and the engine stops it long before its end."""
+  """Steps slowed to >= 80 ms (a dispatch decodes up to 4 tokens): a request of 86 tokens
+  would take 1.7 s; its client leaves after a token (streamed) or 0.3 s (whole), and the
+  engine stops it long before its end."""
   url, app = server
   engine = app.loop.engine
   step = engine.step
 
   def slow_step():
-    time.sleep(0.02)
+    time.sleep(0.08)
     return step()
 
   monkeypatch.setattr(engine, "step", slow_step)

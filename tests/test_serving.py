@@ -111,8 +111,8 @@ def test_requests_arriving_at_different_steps_match_generate_alone(model):
   assert engine.idle
   _check_alone(model, handles)
   assert engine.stats["prefill_tokens"] > 0 and engine.stats.get("preemptions", 0) == 0
-  # One step per chunk bucket used (16) plus the decode-only step, at most.
-  assert engine.compilations <= 2
+  # One step per chunk bucket used (16), the decode-only step and the multi-step decode, at most.
+  assert engine.compilations <= 3
   assert engine.allocator.available_pages == engine.allocator.num_pages  # every page back
 
 
@@ -120,7 +120,7 @@ def test_streaming_handle_and_whole_prompts(model):
   """Iterating a handle steps the engine and yields each token as it comes; with
   chunked_prefill off a prompt is fed in one piece (one prefill row of a larger bucket)."""
   prompts = _prompts((23, 17), seed=4)
-  engine = _engine(model, chunked_prefill=False)
+  engine = _engine(model, chunked_prefill=False, decode_steps=1)
   first, second = (engine.submit(p, NEW, stop_ids=()) for p in prompts)
   streamed = []
   for token in first:
@@ -197,6 +197,7 @@ def test_sampling_is_reproducible_from_the_seed(model):
   assert crowded.stats["preemptions"] > 0
   assert together[0] == alone
   assert run(_engine(model, token_budget=32), [1, 2, 3]) == together
+  assert run(_engine(model, decode_steps=1), [1, 2, 3]) == together
   assert run(_engine(model), [5, 6], prompts=prompts[:1] * 2) == [
       run(_engine(model), [s], prompts=prompts[:1])[0] for s in (5, 6)]
   assert len({tuple(t) for t in run(_engine(model), [5, 6], prompts=prompts[:1] * 2)}) == 2
@@ -325,7 +326,7 @@ def test_the_host_learns_tokens_one_step_late(model):
   """A step's tokens reach the handle when the next step is dispatched: the first `step`
   after a prompt books nothing; the decode that follows reads its input on the device."""
   prompt = _prompts((9,), seed=10)[0]
-  engine = _engine(model)
+  engine = _engine(model, decode_steps=1)
   handle = engine.submit(prompt, NEW, stop_ids=())
   assert engine.step() and handle.tokens == []  # the prompt's step is in flight
   assert engine.step() and len(handle.tokens) == 1  # booked as the first decode was dispatched
@@ -346,6 +347,28 @@ def test_a_stop_seen_late_wastes_one_step_and_changes_nothing(model):
   assert stopped.tokens == greedy[:2] and stopped.finish_reason == "stop"
   _check_alone(model, [after])
   assert engine.allocator.available_pages == engine.allocator.num_pages
+
+
+def test_multi_step_decode_stops_on_the_device_and_caches_only_what_it_fed(model):
+  """Without prefill, one dispatch decodes up to decode_steps tokens per slot; a slot that
+  draws a stop id stops feeding there. The stop token closes a page here: its KV was never
+  written, so that page must not be offered to the prefix cache; a later prompt running
+  through it must still match generate alone."""
+  prompt = _prompts((9,), seed=13)[0]
+  greedy = _generate_alone(model, tuple(prompt), 12)
+  stop_at = next(j for j in range(12) if (len(prompt) + j + 1) % 8 == 0)  # 6: token 15 ends page 1
+  assert greedy[stop_at] not in greedy[:stop_at]
+  engine = _engine(model, max_slots=1, decode_steps=8)
+  stopped = engine.submit(prompt, 12, stop_ids=greedy[stop_at])
+  engine.run_until_idle()
+  assert stopped.tokens == greedy[:stop_at + 1] and stopped.finish_reason == "stop"
+  assert engine.stats["steps"] < 1 + stop_at  # fewer dispatches than decoded tokens
+  assert engine.allocator.available_pages == engine.allocator.num_pages
+  through = list(prompt) + greedy[:stop_at + 1] + _prompts((3,), seed=14)[0]
+  again = engine.submit(through, NEW, stop_ids=())
+  engine.run_until_idle()
+  assert again.prefix_hit_tokens == 8  # page 0 only: page 1 ends with the unfed stop token
+  _check_alone(model, [again])
 
 
 def test_engine_loop_thread_safe_submit_and_cancel(model):

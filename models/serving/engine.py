@@ -16,7 +16,10 @@ The host runs one step ahead of the device, as SGLang's overlap scheduler and vL
 asynchronous scheduling do: `step` schedules and dispatches step t+1 while step t runs,
 and only then waits for step t's tokens (for streaming and the stop checks). The tokens
 step t draws stay on the device, where step t+1 reads its decode inputs; the block table
-lives on the device too and changes by the rows the allocator touched.
+lives on the device too and changes by the rows the allocator touched. A step without
+prefill chunks decodes up to `decode_steps` tokens per sequence in one dispatch, stopping a
+sequence on the device at its stop ids; the host books them together (they stream in
+bursts of up to `decode_steps`).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from models.qwen2.sampler import check_attention_impl
 from models.serving.prefix_cache import PrefixCache
 from models.serving.request import Request, RequestHandle, make_request
 from models.serving.scheduler import PLACEHOLDER, Booking, ScheduledStep, Scheduler, Sequence
-from models.serving.step import IDLE_SAMPLING_ROW, sampling_row, set_rows, step_function
+from models.serving.step import IDLE_SAMPLING_ROW, STOP_COLUMNS, sampling_row, set_rows, step_function
 
 MIN_BUCKET = 16
 
@@ -58,18 +61,19 @@ class Engine:
   feeds at most (decodes first, prefill chunks share the rest). prefill_lanes: prefill
   chunks per step. chunked_prefill False: a prompt is fed in one piece. prefix_caching:
   reuse the pages of cached prefixes. min_chunk: the smallest chunk bucket (a power of two;
-  larger means fewer compilations, more padding). attention_impl and kv_dtype: as for
+  larger means fewer compilations, more padding). decode_steps: decode steps per dispatch
+  while no prefill runs (1: one step per dispatch). attention_impl and kv_dtype: as for
   models.qwen2.generate (an int8 / FP8 pool holds about twice bf16's tokens in its bytes).
   """
 
   def __init__(self, model: Qwen2ForCausalLM, *, max_slots: int = 8, page_size: int = 16,
                num_pages: int | None = None, max_seq_len: int | None = None,
                token_budget: int = 512, prefill_lanes: int = 2, chunked_prefill: bool = True,
-               prefix_caching: bool = True, min_chunk: int = MIN_BUCKET,
+               prefix_caching: bool = True, min_chunk: int = MIN_BUCKET, decode_steps: int = 4,
                attention_impl: str | None = None, kv_dtype: str | None = None):
     config = model.config
     for name, value in (("max_slots", max_slots), ("token_budget", token_budget),
-                        ("prefill_lanes", prefill_lanes)):
+                        ("prefill_lanes", prefill_lanes), ("decode_steps", decode_steps)):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not isinstance(page_size, int) or page_size < 8 or page_size & (page_size - 1):
@@ -91,14 +95,16 @@ class Engine:
                                token_budget=token_budget, prefill_lanes=prefill_lanes,
                                chunked_prefill=chunked_prefill,
                                buckets=chunk_buckets(largest, min_chunk),
-                               max_seq_len=self.max_seq_len)
+                               max_seq_len=self.max_seq_len, decode_steps=decode_steps,
+                               stop_ids_on_device=STOP_COLUMNS)
     graphdef, state = nnx.split(model)
     self.params, treedef = jax.tree.flatten(state)
-    self._step, self._traces = step_function(graphdef, treedef)
+    self._step, self._decode_steps, self._traces = step_function(graphdef, treedef)
+    self.decode_steps = decode_steps
     self._traces_at_start = self._traces[0]
     self._next_id = 0
     self._rows = prefill_lanes + max_slots  # rows of a step's output
-    self._previous_tokens = jnp.zeros((self._rows,), jnp.int32)  # the last dispatched step's
+    self._previous_tokens = jnp.zeros((self._rows,), jnp.int32)  # the last dispatch's last tokens
     self._in_flight: _InFlight | None = None
     # Each output row's sampling settings, on the device and its host copy.
     self._sampling_host = np.tile(IDLE_SAMPLING_ROW, (self._rows, 1))
@@ -176,6 +182,12 @@ class Engine:
           jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)),
           prefill, self._sampling, attention_impl=self.attention_impl)
       tokens.block_until_ready()
+    if self.decode_steps > 1:
+      tokens, _, self.cache, self.workspace = self._decode_steps(
+          self.params, self.cache, self.workspace, self._previous_tokens,
+          jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)),
+          self._sampling, num_steps=self.decode_steps, attention_impl=self.attention_impl)
+      tokens.block_until_ready()
     self.cache = dataclasses.replace(self.cache, block_table=set_rows(
         self.cache.block_table, jnp.zeros((1,), jnp.int32), jnp.zeros((1, self.max_pages), jnp.int32)))
 
@@ -189,7 +201,7 @@ class Engine:
     self._in_flight = None
     if scheduled is not None:
       tokens = self._dispatch(scheduled, previous)
-      self._in_flight = _InFlight(tokens, self.scheduler.book(scheduled, self.prefill_lanes))
+      self._in_flight = _InFlight(tokens, self.scheduler.book(scheduled, self.prefill_lanes, self._rows))
     if previous is None:
       return scheduled is not None
     self.scheduler.complete(previous.bookings, previous.values(), time.perf_counter())
@@ -202,18 +214,19 @@ class Engine:
 
   def _dispatch(self, scheduled: ScheduledStep, previous: "_InFlight | None"):
     slots, lanes = self.max_slots, self.prefill_lanes
-    previous_row = {id(seq): row for seq, _, row in previous.bookings} if previous else {}
+    # A sequence's last booking in the step in flight: its row of that step's last tokens.
+    previous_row = {id(seq): row % self._rows for seq, _, row in previous.bookings} if previous else {}
     decode_tokens = np.zeros((slots,), np.int32)
     decode_source = np.full((slots,), -1, np.int32)
-    decode_lengths = np.zeros((slots,), np.int32)
+    decode_steps = np.zeros((slots,), np.int32)
     decode_cached = np.zeros((slots,), np.int32)
-    for seq in scheduled.decodes:
+    for seq, steps in zip(scheduled.decodes, scheduled.decode_steps):
       token = seq.tokens[seq.cached]
       if token == PLACEHOLDER:  # drawn by the step in flight: read on the device
         decode_source[seq.slot] = previous_row[id(seq)]
       else:
         decode_tokens[seq.slot] = token
-      decode_lengths[seq.slot] = 1
+      decode_steps[seq.slot] = steps
       decode_cached[seq.slot] = seq.cached
     prefill = None
     if scheduled.prefills:
@@ -231,14 +244,20 @@ class Engine:
         if seq.sampling_row is None:
           request = seq.handle.request
           seq.sampling_row = sampling_row(request.seed, request.temperature, request.top_k,
-                                          request.top_p, len(request.prompt))
+                                          request.top_p, len(request.prompt), request.stop_ids)
         sampling[r] = seq.sampling_row
     self._sampling = self._update_rows(self._sampling, self._sampling_host, sampling)
     self._sampling_host = sampling
     self._upload_block_table_rows()
+    decode_inputs = (self.params, self.cache, self.workspace, self._previous_tokens,
+                     jnp.asarray(decode_source), jnp.asarray(decode_tokens))
+    if max(scheduled.decode_steps, default=1) > 1:
+      tokens, self._previous_tokens, self.cache, self.workspace = self._decode_steps(
+          *decode_inputs, jnp.asarray(decode_cached), jnp.asarray(decode_steps), self._sampling,
+          num_steps=self.decode_steps, attention_impl=self.attention_impl)
+      return tokens  # [num_steps, rows]: booked as row j * rows + r
     tokens, self.cache, self.workspace = self._step(
-        self.params, self.cache, self.workspace, self._previous_tokens, jnp.asarray(decode_source),
-        jnp.asarray(decode_tokens), jnp.asarray(decode_lengths), jnp.asarray(decode_cached), prefill,
+        *decode_inputs, jnp.asarray(np.minimum(decode_steps, 1)), jnp.asarray(decode_cached), prefill,
         self._sampling, attention_impl=self.attention_impl)
     self._previous_tokens = tokens
     return tokens
@@ -269,12 +288,12 @@ def _set_rows_padded(device: jax.Array, rows: list[int], host: np.ndarray) -> ja
 class _InFlight:
   """A dispatched step: its output tokens on the device and what they are for."""
 
-  tokens: jax.Array  # [lanes + slots]
+  tokens: jax.Array  # [lanes + slots], or [decode steps, lanes + slots]
   bookings: list[Booking]
   _values: np.ndarray | None = None
 
   def values(self) -> np.ndarray:
     """The tokens on the host (waits for the step, once)."""
     if self._values is None:
-      self._values = np.asarray(self.tokens)
+      self._values = np.asarray(self.tokens).reshape(-1)
     return self._values

@@ -6,7 +6,10 @@ Language Model Serving with PagedAttention" for the pages):
      hold their prompts (after mapping the pages of their longest cached prefix);
   2. every running sequence with one token left to feed decodes it;
   3. the rest of the step's token budget goes to the other running sequences, oldest first,
-     as prefill chunks (at most `prefill_lanes` of them).
+     as prefill chunks (at most `prefill_lanes` of them);
+  4. a step without prefill chunks decodes up to `decode_steps` tokens per sequence in one
+     dispatch (each bounded by its max_new_tokens, its window and the pages free now; a
+     sequence with more stop ids than the device checks takes one).
 A sequence that needs a page when none is free or idle makes the newest running sequence
 give all of its pages back (preemption); that one waits at the head of the queue and is
 recomputed from its tokens when readmitted (its prompt and the tokens it had produced), so
@@ -20,6 +23,8 @@ checks (a sequence that stopped may thus run one wasted step, whose result is dr
 A sequence is never scheduled past its max_new_tokens or its window, counting
 placeholders. Preempting a sequence first asks the engine to `resolve` its placeholder
 (the host waits for the step in flight), so that it can be recomputed from known tokens.
+A multi-step dispatch whose sequence drew a stop id on the device leaves its later
+placeholders undrawn: `fill` then counts only the tokens fed before the stop as cached.
 """
 from __future__ import annotations
 
@@ -74,9 +79,10 @@ class ScheduledStep:
   """The sequences one engine step feeds (how the model computes them is its own
   models.qwen2.StepPlan)."""
 
-  decodes: list[Sequence]  # one token each
+  decodes: list[Sequence]
   prefills: list[tuple[Sequence, int]]  # (sequence, tokens of its chunk)
   chunk_bucket: int  # T of the step's prefill rows (0: no prefill)
+  decode_steps: list[int]  # tokens each of `decodes` decodes (1 unless no prefill runs)
 
 
 class Scheduler:
@@ -84,7 +90,7 @@ class Scheduler:
 
   def __init__(self, allocator: PageAllocator, prefix_cache: PrefixCache | None, *, max_slots: int,
                token_budget: int, prefill_lanes: int, chunked_prefill: bool, buckets: tuple[int, ...],
-               max_seq_len: int):
+               max_seq_len: int, decode_steps: int = 1, stop_ids_on_device: int = 0):
     self.allocator = allocator
     self.prefix_cache = prefix_cache
     self.page_size = allocator.page_size
@@ -95,6 +101,8 @@ class Scheduler:
     self.chunked_prefill = chunked_prefill
     self.buckets = buckets
     self.max_seq_len = max_seq_len
+    self.decode_steps = decode_steps
+    self.stop_ids_on_device = stop_ids_on_device
     self.stats = collections.Counter()
     self.resolve = lambda: None  # the engine's: fills in the placeholders of the step in flight
 
@@ -190,16 +198,33 @@ class Scheduler:
       return None
     longest = max((c for _, c in prefills), default=0)
     bucket = min(b for b in self.buckets if b >= longest) if prefills else 0
-    return ScheduledStep(decodes, prefills, bucket)
+    steps = [1 if prefills else self._lookahead(s) for s in decodes]
+    return ScheduledStep(decodes, prefills, bucket, steps)
+
+  def _lookahead(self, seq: Sequence) -> int:
+    """Tokens a decoding sequence may take in one multi-step dispatch (pages for the first
+    are reserved): never past its max_new_tokens or window, nor into pages the pool would
+    have to preempt for."""
+    request = seq.handle.request
+    steps = min(self.decode_steps, request.max_new_tokens - seq.generated,
+                self.max_seq_len + 1 - len(seq.tokens))
+    if steps <= 1 or len(request.stop_ids) > self.stop_ids_on_device:
+      return 1
+    try:
+      self.allocator.reserve(seq.slot, seq.cached + steps)
+    except OutOfPagesError:  # the pages it could take stay reserved
+      steps = int(self.allocator.pages_held[seq.slot]) * self.page_size - seq.cached
+    return max(1, steps)
 
   def _exhausted(self, seq: Sequence) -> bool:
     """Its last (maybe not yet known) token ends it: no further step for it."""
     return (seq.generated >= seq.handle.request.max_new_tokens or len(seq.tokens) > self.max_seq_len)
 
-  def book(self, step: ScheduledStep, lanes: int) -> list[Booking]:
+  def book(self, step: ScheduledStep, lanes: int, rows: int) -> list[Booking]:
     """Counts a dispatched step's tokens as fed; a row that fed its last pending token gets a
     PLACEHOLDER for the token it draws. Output rows: the `lanes` prefill rows, then one per
-    slot. -> the step's bookings, for `complete`."""
+    slot, `rows` in all, repeated for each decode step (row j * rows + r: step j's row r).
+    -> the step's bookings, for `complete`."""
     self.stats["steps"] += 1
     bookings = []
     for lane, (seq, chunk) in enumerate(step.prefills):
@@ -209,20 +234,25 @@ class Scheduler:
       if seq.pending == 0:
         seq.tokens.append(PLACEHOLDER)
         bookings.append((seq, len(seq.tokens) - 1, lane))
-    for seq in step.decodes:
-      seq.cached += 1
-      seq.handle.computed_tokens += 1
-      self.stats["decode_tokens"] += 1
-      seq.tokens.append(PLACEHOLDER)
-      bookings.append((seq, len(seq.tokens) - 1, lanes + seq.slot))
+    for seq, steps in zip(step.decodes, step.decode_steps):
+      for j in range(steps):
+        seq.cached += 1
+        seq.handle.computed_tokens += 1
+        self.stats["decode_tokens"] += 1
+        seq.tokens.append(PLACEHOLDER)
+        bookings.append((seq, len(seq.tokens) - 1, j * rows + lanes + seq.slot))
     return bookings
 
   @staticmethod
   def fill(bookings: list[Booking], values) -> None:
-    """Writes a step's drawn tokens (values [rows], host ints) over their placeholders."""
+    """Writes a step's drawn tokens (values, host ints, indexed by booking row) over their
+    placeholders. A PLACEHOLDER value was not drawn (the sequence stopped on the device at
+    the token before): only the tokens before that stop token were fed."""
     for seq, index, row in bookings:
       if seq.tokens[index] == PLACEHOLDER:
         seq.tokens[index] = int(values[row])
+        if seq.tokens[index] == PLACEHOLDER:
+          seq.cached = min(seq.cached, index - 1)
 
   def complete(self, bookings: list[Booking], values, now: float) -> None:
     """Books a step's drawn tokens once the host has them: each goes to its request, then
