@@ -218,7 +218,7 @@ class Engine:
     previous_row = {id(seq): row % self._rows for seq, _, row in previous.bookings} if previous else {}
     decode_tokens = np.zeros((slots,), np.int32)
     decode_source = np.full((slots,), -1, np.int32)
-    decode_steps = np.zeros((slots,), np.int32)
+    slot_steps = np.zeros((slots,), np.int32)  # decode tokens each slot feeds (0: none)
     decode_cached = np.zeros((slots,), np.int32)
     for seq, steps in zip(scheduled.decodes, scheduled.decode_steps):
       token = seq.tokens[seq.cached]
@@ -226,7 +226,7 @@ class Engine:
         decode_source[seq.slot] = previous_row[id(seq)]
       else:
         decode_tokens[seq.slot] = token
-      decode_steps[seq.slot] = steps
+      slot_steps[seq.slot] = steps
       decode_cached[seq.slot] = seq.cached
     prefill = None
     if scheduled.prefills:
@@ -253,11 +253,11 @@ class Engine:
                      jnp.asarray(decode_source), jnp.asarray(decode_tokens))
     if max(scheduled.decode_steps, default=1) > 1:
       tokens, self._previous_tokens, self.cache, self.workspace = self._decode_steps(
-          *decode_inputs, jnp.asarray(decode_cached), jnp.asarray(decode_steps), self._sampling,
+          *decode_inputs, jnp.asarray(decode_cached), jnp.asarray(slot_steps), self._sampling,
           num_steps=self.decode_steps, attention_impl=self.attention_impl)
       return tokens  # [num_steps, rows]: booked as row j * rows + r
     tokens, self.cache, self.workspace = self._step(
-        *decode_inputs, jnp.asarray(np.minimum(decode_steps, 1)), jnp.asarray(decode_cached), prefill,
+        *decode_inputs, jnp.asarray(np.minimum(slot_steps, 1)), jnp.asarray(decode_cached), prefill,
         self._sampling, attention_impl=self.attention_impl)
     self._previous_tokens = tokens
     return tokens
