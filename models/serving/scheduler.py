@@ -250,8 +250,8 @@ class Scheduler:
     the token before): only the tokens before that stop token were fed."""
     for seq, index, row in bookings:
       if seq.tokens[index] == PLACEHOLDER:
-        seq.tokens[index] = int(values[row])
-        if seq.tokens[index] == PLACEHOLDER:
+        token = seq.tokens[index] = int(values[row])
+        if token == PLACEHOLDER:
           seq.cached = min(seq.cached, index - 1)
 
   def complete(self, bookings: list[Booking], values, now: float) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from models.serving.sampling import row_keys, sample_rows
+from models.serving.scheduler import PLACEHOLDER
 
 
 @functools.lru_cache(maxsize=16)
@@ -136,7 +137,6 @@ def _sample(logits, drawn_at, sampling):
                        sampling[:, 2], bits(3, jnp.float32))
 
 
-PLACEHOLDER = -1  # no token drawn (models.serving.scheduler's name for a token not yet known)
 STOP_COLUMNS = 8  # stop ids a row's device-side check holds; a request with more decodes singly
 SAMPLING_COLUMNS = 5 + STOP_COLUMNS
 
