@@ -108,18 +108,26 @@ _PREFILL = {
 _PREFILL_FP32 = [P(64, 32, 4, 2), P(32, 32, 4, 2), P(32, 16, 4, 2), P(16, 16, 4, 1)]
 _PREFILL_LAST = [P(32, 32, 4, 2), P(16, 16, 4, 1)]
 
+# One-byte rows are int8 / FP8 caches: their tiles stage one byte a value in shared memory
+# (dequantized after the load), so the same budget holds twice the tokens in flight.
 _DECODE = {
     ("hopper", 2): [D(64, 4, 4), D(64, 4, 3), D(32, 4, 2)],
+    ("hopper", 1): [D(64, 4, 4), D(64, 4, 3), D(32, 4, 2)],
     ("ada", 2): [D(64, 4, 2), D(32, 4, 2)],
+    ("ada", 1): [D(64, 4, 2), D(32, 4, 2)],
     ("ampere", 2): [D(64, 4, 4), D(64, 4, 2), D(32, 4, 2)],
+    ("ampere", 1): [D(64, 4, 4), D(64, 4, 2), D(32, 4, 2)],
 }
 # The paged kernel's K/V addresses come from a table load, a dependent load that costs the
 # software pipeline one stage of lookahead (Writing an Attention Kernel, Step 5): its configs
 # carry one stage more.
 _PAGED = {
     ("hopper", 2): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],
+    ("hopper", 1): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],
     ("ada", 2): [D(32, 4, 5), D(32, 4, 3)],
+    ("ada", 1): [D(32, 4, 5), D(32, 4, 3)],
     ("ampere", 2): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],
+    ("ampere", 1): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],
 }
 _DECODE_FP32 = [D(32, 4, 2), D(16, 4, 2)]
 _DECODE_LAST = [D(16, 4, 2), D(16, 4, 1)]

@@ -598,7 +598,7 @@ def _decode_attention(query, k_cache, v_cache, key_value_seq_lengths, bias, mask
   options = decode_options(query, capacity, bias=bias, mask=mask, traced_scale=traced_scale, scale=scale,
                            sinks=sinks, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap)
-  config = resolve_config(config, head_dim, query.dtype if quantized else k_cache.dtype, paged=False)
+  config = resolve_config(config, head_dim, k_cache.dtype, paged=False)
   num_heads = query.shape[2]
 
   out = launch_split_kv(

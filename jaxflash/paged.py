@@ -146,7 +146,7 @@ def _paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
   options = decode_options(query, capacity, bias=bias, mask=mask, traced_scale=traced_scale, scale=scale,
                            sinks=sinks, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap)
-  config = resolve_config(config, head_dim, query.dtype if quantized else k_pages.dtype, paged=True)
+  config = resolve_config(config, head_dim, k_pages.dtype, paged=True)
   num_heads = query.shape[2]
   head_dim_p = configs.padded_head_dim(head_dim)
 
