@@ -109,10 +109,11 @@ _PREFILL_FP32 = [P(64, 32, 4, 2), P(32, 32, 4, 2), P(32, 16, 4, 2), P(16, 16, 4,
 _PREFILL_LAST = [P(32, 32, 4, 2), P(16, 16, 4, 1)]
 
 # One-byte rows are int8 / FP8 caches: their tiles stage one byte a value in shared memory
-# (dequantized after the load), so the same budget holds twice the tokens in flight.
+# (converted after the load), so the same budget holds twice the tokens in flight; on Hopper
+# 128-token tiles carry as many bytes a stage as bf16's 64 (bench/studies/quantized_decode_tiles.py).
 _DECODE = {
     ("hopper", 2): [D(64, 4, 4), D(64, 4, 3), D(32, 4, 2)],
-    ("hopper", 1): [D(64, 4, 4), D(64, 4, 3), D(32, 4, 2)],
+    ("hopper", 1): [D(128, 4, 3), D(64, 4, 4), D(32, 4, 2)],
     ("ada", 2): [D(64, 4, 2), D(32, 4, 2)],
     ("ada", 1): [D(64, 4, 2), D(32, 4, 2)],
     ("ampere", 2): [D(64, 4, 4), D(64, 4, 2), D(32, 4, 2)],
@@ -123,7 +124,7 @@ _DECODE = {
 # carry one stage more.
 _PAGED = {
     ("hopper", 2): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],
-    ("hopper", 1): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],
+    ("hopper", 1): [D(128, 4, 5), D(64, 4, 5), D(32, 4, 3)],
     ("ada", 2): [D(32, 4, 5), D(32, 4, 3)],
     ("ada", 1): [D(32, 4, 5), D(32, 4, 3)],
     ("ampere", 2): [D(64, 4, 5), D(32, 4, 5), D(32, 4, 3)],

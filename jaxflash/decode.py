@@ -33,7 +33,7 @@ from jaxflash._triton import (LN_2, LOG2_E, CompilerParams, dot, load, load_mask
                               use_interpret)
 from jaxflash._util import dot_precision
 from jaxflash.configs import DecodeConfig
-from jaxflash.quantize import check_scales, dequantize_kv, dequantize_tile
+from jaxflash.quantize import check_scales, dequantize_kv
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import soft_cap, window_size
 from jaxflash.sharding import result_struct
@@ -61,7 +61,7 @@ class SplitKV(NamedTuple):
 # Kernel pieces shared with the paged kernel.
 # --------------------------------------------------------------------------------------
 
-def _attend_tile(carry, s, v, *, visible, may_be_empty: bool, precision):
+def _attend_tile(carry, s, v, *, visible, may_be_empty: bool, precision, v_scale=None):
   """One step of the online softmax (FlashAttention-2, Alg. 1) in base 2.
 
   s [R, block_k] the scores of R query heads of one KV group in log2 units (the scale folds
@@ -70,6 +70,7 @@ def _attend_tile(carry, s, v, *, visible, may_be_empty: bool, precision):
   past the sequence's end, outside the window or masked out. Without a mask or bias every
   tile holds a visible key, so m_new is finite; with one (`may_be_empty`) a row may see no
   key of a tile yet, and its exponentials are taken against 0 instead of -inf (no NaN).
+  v_scale [block_k] (a quantized V's per-token scales, or None) weighs P's columns in P V.
   """
   acc, m_i, l_i = carry  # [R, Hp] f32, [R] f32, [R] f32
   if visible is not None:
@@ -79,7 +80,8 @@ def _attend_tile(carry, s, v, *, visible, may_be_empty: bool, precision):
   alpha = jnp.exp2(m_i - m_ref)
   p = jnp.exp2(s - m_ref[:, None])
   l_i = l_i * alpha + jnp.sum(p, axis=1)
-  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
+  pv = p if v_scale is None else p * v_scale[None, :]
+  acc = acc * alpha[:, None] + dot(pv.astype(v.dtype), v, precision=precision)
   return acc, m_new, l_i
 
 
@@ -195,12 +197,19 @@ def _split_kv_kernel(
     kv_mask = mask2d(key_ok, col_ok)
     k = load_masked(k_ref.at[index], kv_mask)  # [block_k, Hp]
     v = load_masked(v_ref.at[index], kv_mask)
-    if k_scale_ref is not None:  # dequantized right after the load, in float32
-      k = dequantize_tile(k, load_scales(k_scale_ref, index, key_ok, block_k), compute_dtype)
-      v = dequantize_tile(v, load_scales(v_scale_ref, index, key_ok, block_k), compute_dtype)
+    k_cols = v_cols = None
+    if k_scale_ref is not None:
+      # A quantized tile converts exactly to the matmul's dtype (int8 and e4m3 values are
+      # bf16 and fp16 values); the per-token scales [block_k] then weigh the score columns
+      # and P's columns: R x block_k multiplies a tile instead of block_k x H.
+      k, v = k.astype(compute_dtype), v.astype(compute_dtype)
+      k_cols = load_scales(k_scale_ref, index, key_ok, block_k)
+      v_cols = load_scales(v_scale_ref, index, key_ok, block_k)
     # Scale the fp32 scores, not the bf16 query: scaling q in bf16 costs accuracy (Writing an
     # Attention Kernel).
     s = dot(q, k, trans_b=True, precision=precision) * qk_scale  # [R, block_k], log2 units
+    if k_cols is not None:
+      s = s * k_cols[None, :]
     tile = functools.partial(_option_tile, b=b, head0=head0, tok0=tok0, rows_ok=rows_ok, key_ok=key_ok,
                              query_rows=query_rows, block_k=block_k)
     if bias_ref is not None:  # added to the natural-scale scores: times log2(e) here
@@ -212,7 +221,8 @@ def _split_kv_kernel(
     if mask_ref is not None:
       keep = tile(mask_ref, mask_full, other=0) != 0
       visible = keep if visible is None else visible & keep
-    return _attend_tile(carry, s, v, visible=visible, may_be_empty=may_be_empty, precision=precision)
+    return _attend_tile(carry, s, v, visible=visible, may_be_empty=may_be_empty, precision=precision,
+                        v_scale=v_cols)
 
   carry = (jnp.zeros((query_rows, head_dim_p), jnp.float32),
            jnp.full((query_rows,), NEG_INF, jnp.float32),
@@ -261,13 +271,13 @@ def _split_kv_kernel(
 
 
 def load_scales(scale_ref, index, key_ok, block_k: int):
-  """The scales [block_k, 1] float32 of the K/V tile at `index` (a tile index as the
+  """The scales [block_k] float32 of the K/V tile at `index` (a tile index as the
   addressers give it): the same index without its head-dim part. A gathered tile's token
   index is a column [block_k, 1], a sliced one a range; masked keys load scale 0."""
   token_index = index[:-1]
   gathered = any(getattr(i, "ndim", 0) == 2 for i in token_index)
   mask = None if key_ok is None else (key_ok[:, None] if gathered else key_ok)
-  return load_masked(scale_ref.at[token_index], mask).reshape(block_k, 1)
+  return load_masked(scale_ref.at[token_index], mask).reshape(block_k)
 
 
 def _contiguous_tile(block_k: int, head_dim_p: int):

@@ -112,7 +112,7 @@ def _paged_prefill_kernel(
     kv_mask = mask2d(key_ok, col_mask, (block_k, head_dim_padded))
     k = load_masked(k_ref.at[index], kv_mask)
     if k_scale_ref is not None:  # dequantized right after the load, in float32
-      k = dequantize_tile(k, load_scales(k_scale_ref, index, key_ok, block_k), compute_dtype)
+      k = dequantize_tile(k, load_scales(k_scale_ref, index, key_ok, block_k)[:, None], compute_dtype)
     s = dot(q, k.astype(compute_dtype), trans_b=True, **dot_kwargs) * qk_scale
     if masked:
       if is_causal:
@@ -129,7 +129,7 @@ def _paged_prefill_kernel(
     l_i = l_i * alpha + jnp.sum(p, axis=1)
     v = load_masked(v_ref.at[index], kv_mask)
     if v_scale_ref is not None:
-      v = dequantize_tile(v, load_scales(v_scale_ref, index, key_ok, block_k), compute_dtype)
+      v = dequantize_tile(v, load_scales(v_scale_ref, index, key_ok, block_k)[:, None], compute_dtype)
     v = v.astype(compute_dtype)
     acc = acc * alpha[:, None] + dot(p.astype(compute_dtype), v, **dot_kwargs)
     return acc, m_new, l_i

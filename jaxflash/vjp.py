@@ -142,9 +142,13 @@ def mosaic_backward_reason(query, key, value, options: Options, *, mods: ScoreMo
                            static_scale: float | None) -> str | None:
   """None when the Mosaic GPU backward serves this call, else why not."""
   from jaxflash.mosaic.backward import backward_reason
+  alignment = mods.causal_alignment if mods.is_causal else "bottom_right"
+  if (alignment == "top_left" and query.shape[-3] == key.shape[-3]
+      and options.q_lengths is None and options.kv_lengths is None):
+    alignment = "bottom_right"  # the two agree when every sequence has as many queries as keys
   reason = backward_reason(query, key, value, is_causal=mods.is_causal,
                            local_window_size=mods.window, logits_soft_cap=mods.logits_soft_cap,
-                           causal_alignment=mods.causal_alignment if mods.is_causal else "bottom_right",
+                           causal_alignment=alignment,
                            bias=options.bias, mask=options.mask, sinks=options.sinks,
                            segment_ids=options.segment_ids, kv_segment_ids=options.kv_segment_ids)
   if reason is None and static_scale is None:

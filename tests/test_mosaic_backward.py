@@ -185,6 +185,27 @@ def test_reason_shapes_and_dtypes():
                                        _struct((1, 8, 2, 64)), info=H200)
 
 
+@NEEDS_MOSAIC
+def test_top_left_served_where_it_is_bottom_right(monkeypatch):
+  """jaxflash.attention's default alignment is jax.nn's top-left: with as many queries as keys
+  and no lengths it is the bottom-right mask, which the Mosaic backward serves."""
+  from jaxflash import vjp
+  from jaxflash.mosaic import backward
+  from jaxflash.score_mods import ScoreMods
+  monkeypatch.setattr(backward, "device_reason", lambda info: None)
+  monkeypatch.setattr(backward, "device_info", lambda: H200)
+  mods = ScoreMods.from_options(is_causal=True, causal_alignment="top_left")
+  square = _struct((1, 90, 6, 128))
+
+  def reason(q, options=vjp.Options()):
+    return vjp.mosaic_backward_reason(q, KV, KV, options, mods=mods, static_scale=0.1)
+
+  assert reason(square) is None
+  assert "causal_alignment" in reason(Q)  # T = 100 queries, S = 90 keys
+  lengths = jnp.full((1,), 90, jnp.int32)
+  assert "causal_alignment" in reason(square, vjp.Options(q_lengths=lengths, kv_lengths=lengths))
+
+
 @CPU_ONLY
 def test_reason_without_gpu():
   assert backward_reason(Q, KV, KV) is not None

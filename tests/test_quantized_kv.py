@@ -142,7 +142,7 @@ def test_decode_matches_dequantized_reference(case, interpret, rng):
                               **kernel_options)
   chex.assert_shape(out, q.shape)
   assert out.dtype == q_dtype and lse.dtype == FP32
-  ref_out, ref_lse = attention_f64(q, _deq(k_q, k_scale, q_dtype), _deq(v_q, v_scale, q_dtype),
+  ref_out, ref_lse = attention_f64(q, _deq(k_q, k_scale), _deq(v_q, v_scale),
                                    kv_lengths=np.asarray(lengths), **ref_options)
   assert_close(out, ref_out, q_dtype)
   assert_close(lse, ref_lse, FP32, what="lse")
@@ -202,8 +202,8 @@ def test_paged_decode_matches_dequantized_reference(case, interpret, rng):
                                     v_scale=v_scale, num_splits=splits, config=DecodeConfig(block_k),
                                     return_residual=True, interpret=interpret)
   chex.assert_shape(out, q.shape)
-  ref_out, ref_lse = attention_f64(q, gather_pages_np(_deq(k_pages, k_scale, q_dtype), clean),
-                                   gather_pages_np(_deq(v_pages, v_scale, q_dtype), clean),
+  ref_out, ref_lse = attention_f64(q, gather_pages_np(_deq(k_pages, k_scale), clean),
+                                   gather_pages_np(_deq(v_pages, v_scale), clean),
                                    kv_lengths=np.asarray(lengths))
   assert_close(out, ref_out, q_dtype)
   assert_close(lse, ref_lse, FP32, what="lse")

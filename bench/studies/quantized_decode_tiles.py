@@ -23,8 +23,9 @@ from bench.timing import free_memory
 
 KV_DTYPES = ("int8", "float8_e4m3fn")
 # (block_k, num_warps, num_stages)
-CONTIGUOUS_GRID = [(64, 4, 4), (128, 4, 4), (128, 4, 3), (128, 8, 3), (256, 4, 2), (256, 8, 2)]
-PAGED_GRID = [(64, 4, 5), (128, 4, 5), (128, 4, 3)]
+# 256-token tiles (4 and 8 warps, 2 stages) ran at 0.56-0.96x bf16 (2026-12-05): left out.
+CONTIGUOUS_GRID = [(64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 3)]
+PAGED_GRID = [(64, 4, 5), (128, 4, 5), (128, 4, 4)]
 
 
 def _decode(config=None, paged=False):
