@@ -85,9 +85,11 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   which give the gradients of query, key, value, bias, sinks and a traced scale; paged
   decode raises NotImplementedError when differentiated, as do second derivatives; jax.jvp
   raises JAX's custom_vjp error. backward_implementation (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`):
-  None or "triton" (Pallas-Triton), or "mosaic" (the Mosaic GPU backward on sm_90 after the
-  Mosaic forward: d = 64 / 128, causal or not, lengths; ValueError with
-  `jaxflash.vjp.mosaic_backward_reason` where it cannot serve).
+  "triton" (Pallas-Triton), "mosaic" (the Mosaic GPU backward on sm_90 after the Mosaic
+  forward: d = 64 / 128, causal or not, lengths; ValueError with
+  `jaxflash.vjp.mosaic_backward_reason` where it cannot serve), or None: the Mosaic one where
+  `jaxflash.vjp.default_backward_reason` is None (it serves the call with at least one wave of
+  dK/dV programs, and no backward_config is given), else Pallas-Triton.
 
   Sharded inputs (under `jax.jit` on a mesh): batch and heads may be split (query heads N
   and KV heads K over the same mesh axes); each device runs the kernel on its shard, with

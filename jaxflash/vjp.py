@@ -158,6 +158,25 @@ def mosaic_backward_reason(query, key, value, options: Options, *, mods: ScoreMo
   return reason
 
 
+def default_backward_reason(query, key, value, options: Options, *, mods: ScoreMods,
+                            static_scale: float | None) -> str | None:
+  """None when backward_implementation=None takes the Mosaic GPU backward: where it serves
+  the call and its dK/dV kernel has at least one CTA per SM. Below one wave (B = 1 at 4K
+  keys with 2 KV heads: 64 CTAs on 132 SMs) the Triton backward, which splits each key
+  block's queries over programs, is faster (bench/results/h200/train.md)."""
+  from jaxflash.device import device_info
+  from jaxflash.mosaic.backward import dkv_programs, mosaic_backward_config
+  reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)
+  if reason is not None:
+    return reason
+  info = device_info()
+  programs = dkv_programs(key.shape, mosaic_backward_config(query.shape[-1], query.dtype, info))
+  if programs < info.sm_count:
+    return (f"{programs} dK/dV programs of the Mosaic backward fill less than one wave of "
+            f"{info.sm_count} SMs")
+  return None
+
+
 def choose_backward(backward_implementation, query, key, value, options: Options, *,
                     mods: ScoreMods, static_scale: float | None, config=None,
                     interpret=None) -> Callable:
@@ -168,6 +187,9 @@ def choose_backward(backward_implementation, query, key, value, options: Options
     reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)
     if reason is not None:
       raise ValueError(f"backward_implementation='mosaic' cannot serve this call: {reason}")
+    return mosaic_backward(mods, static_scale)
+  if (backward_implementation is None and config is None
+      and default_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale) is None):
     return mosaic_backward(mods, static_scale)
   dtype = jax.numpy.promote_types(query.dtype, key.dtype)
   return triton_backward(mods, prefill_backward.resolve_config(config, query.shape[-1], dtype),

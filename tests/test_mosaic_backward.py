@@ -140,6 +140,23 @@ def test_mosaic_forward_with_mosaic_backward(rng):
   _check_grads(grads, q, k, v, d_out, is_causal=True)
 
 
+@gpu
+@SM90_ONLY
+def test_default_gradient_takes_mosaic_backward(rng):
+  """jax.grad through jaxflash.attention with every default: past one wave of dK/dV programs
+  (1 x 8 KV heads x 17 blocks of 128 keys = 136 CTAs) the Mosaic backward runs, and its
+  gradients match float64's."""
+  import jaxflash
+  from jaxflash import vjp
+  from jaxflash.score_mods import ScoreMods
+  q, k, v, d_out = _inputs(rng, 1, 2100, 2100, 16, 8, 64, BF16)
+  mods = ScoreMods.from_options(is_causal=True, causal_alignment="top_left")
+  assert vjp.default_backward_reason(q, k, v, vjp.Options(), mods=mods, static_scale=0.125) is None
+  grads = jax.jit(lambda q, k, v: jax.vjp(
+      lambda q, k, v: jaxflash.attention(q, k, v, is_causal=True), q, k, v)[1](d_out))(q, k, v)
+  _check_grads(grads, q, k, v, d_out, is_causal=True)
+
+
 # ----------------------------------------------------------------------------- CPU: no kernels
 
 def _struct(shape, dtype=BF16):
@@ -204,6 +221,25 @@ def test_top_left_served_where_it_is_bottom_right(monkeypatch):
   assert "causal_alignment" in reason(Q)  # T = 100 queries, S = 90 keys
   lengths = jnp.full((1,), 90, jnp.int32)
   assert "causal_alignment" in reason(square, vjp.Options(q_lengths=lengths, kv_lengths=lengths))
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("batch,seq,chosen", [(1, 4096, False), (1, 16384, True), (4, 4096, True)])
+def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, chosen):
+  """backward_implementation=None: the Mosaic backward once its dK/dV kernel has a CTA per
+  SM (B x 2 KV heads x S / 128 >= 132 on the H200), the Triton one below."""
+  from jaxflash import device, vjp
+  from jaxflash.mosaic import backward
+  from jaxflash.score_mods import ScoreMods
+  monkeypatch.setattr(backward, "device_reason", lambda info: None)
+  monkeypatch.setattr(backward, "device_info", lambda: H200)
+  monkeypatch.setattr(device, "device_info", lambda: H200)
+  mods = ScoreMods.from_options(is_causal=True)
+  q, kv = _struct((batch, seq, 12, 128)), _struct((batch, seq, 2, 128))
+  reason = vjp.default_backward_reason(q, kv, kv, vjp.Options(), mods=mods, static_scale=0.1)
+  assert (reason is None) == chosen, reason
+  if not chosen:
+    assert "wave" in reason
 
 
 @CPU_ONLY

@@ -140,6 +140,14 @@ def backward_reason(query, key, value, *, info: DeviceInfo | None = None, is_cau
   return None
 
 
+def dkv_programs(key_shape, config: MosaicBackwardConfig) -> int:
+  """CTAs of the dK/dV kernel for keys [B, S, K, H]: one per (NUM_CONSUMERS * block_kv
+  keys, KV head, sequence)."""
+  batch, seq_kv, kv_heads = key_shape[0], key_shape[1], key_shape[2]
+  keys = NUM_CONSUMERS * config.block_kv
+  return batch * kv_heads * -(-seq_kv // keys)
+
+
 def _swizzled():
   return dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // 2)),
                           plgpu.SwizzleTransform(SWIZZLE_BYTES)))
