@@ -295,5 +295,8 @@ def test_vmap_joins_the_batch(rng):
   stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v, out, lse, d_out)]
   batched = jax.vmap(f)(*stacked)
   single = f(q, k, v, out, lse, d_out)
+  # The kernels see the same tiles; the delta pre-pass (rowsum(dO * O)) is an XLA reduction
+  # whose order may follow the batch's shape, so a gradient may move by one bf16 ulp.
   for got, want in zip(batched, single):
-    np.testing.assert_array_equal(np.asarray(got[0].astype(F32)), np.asarray(want.astype(F32)))
+    np.testing.assert_allclose(np.asarray(got[0].astype(F32)), np.asarray(want.astype(F32)),
+                               rtol=2.0**-7, atol=0)
