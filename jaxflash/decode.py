@@ -209,8 +209,8 @@ def _split_kv_kernel(
       # A quantized tile converts exactly to the matmul's dtype (int8 and e4m3 values are
       # bf16 and fp16 values); the per-token scales [block_k] then weigh the score columns
       # and P's columns: R x block_k multiplies a tile instead of block_k x H. FP8 goes
-      # through float32, which Triton converts faster than e4m3 straight to bf16 (1.44x
-      # against 1.18x bf16's tokens/s at 1 x 128K, bench/studies/quantized_decode_tiles.py).
+      # through float32, which Triton converts faster than e4m3 straight to bf16 (1.52x
+      # against 1.18x bf16's tokens/s at 1 x 128K on an H100, bench/studies/quantized_decode_tiles.py).
       k, v = _to_matmul_dtype(k, compute_dtype), _to_matmul_dtype(v, compute_dtype)
       k_cols = load_scales(k_scale_ref, index, key_ok, block_k)
       v_cols = load_scales(v_scale_ref, index, key_ok, block_k)
