@@ -139,7 +139,7 @@ class _Consumer:
     plgpu.barrier_wait(self.q_ready.at[self.wg])
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
-    l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+    sums = self.softmax.zero_sums(block_q)
     # With the row sums from PV, columns H and up hold the row sums (all equal).
     acc = plgpu.layout_cast(jnp.zeros((block_q, self.acc_columns), jnp.float32), plgpu.Layout.WGMMA)
     segments = self.mask.segments
@@ -147,14 +147,14 @@ class _Consumer:
     tile_ = dict(slot_of=slot_of, cta_lo=cta_lo, full_lo=full_lo, full_hi=full_hi, hi=hi,
                  mask=lambda s, j: self.mask.apply(s, j, q_base, shift, kv_valid, batch, row_ids))
     if self.overlap_softmax:
-      acc, m_i, l_i = self.overlapped_blocks((acc, m_i, l_i), **tile_)
+      acc, m_i, sums = self.overlapped_blocks((acc, m_i, sums), **tile_)
     else:
       @pl.when(hi > cta_lo)
       def _():
         plgpu.barrier_wait(ring.k_ready.at[slot_of(cta_lo)])
 
       turns.begin_tile()
-      acc, m_i, l_i = self.paired_blocks((acc, m_i, l_i), **tile_)
+      acc, m_i, sums = self.paired_blocks((acc, m_i, sums), **tile_)
 
     def skip(j, _):
       # Blocks another consumer still needs: wait for them too, release them, and keep the
@@ -171,7 +171,7 @@ class _Consumer:
         pl.when(next_item < scheduler.num_items)(lambda: self.load_q(next_item))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read
                                                        # the output buffers
-    self.store_tile(acc, m_i, l_i, batch, head, q_base, q_valid)
+    self.store_tile(acc, m_i, sums, batch, head, q_base, q_valid)
     if not (self.separate_output or self.retry):
       @pl.when(next_item < scheduler.num_items)
       def _():
@@ -195,15 +195,15 @@ class _Consumer:
     ring, softmax = self.ring, self.softmax
 
     def step(j, carry, *, masked: bool):
-      acc, m_i, l_i = carry  # [block_q, H], [block_q], [block_q] float32
+      acc, m_i, sums = carry  # [block_q, H], [block_q], RowSums float32
       slot = slot_of(j)
       s = self.scores(slot)
-      p, m_new, alpha, l_i = softmax.step(mask(s, j) if masked else s, m_i, l_i, masked=masked)
+      p, m_new, alpha = softmax.step(mask(s, j) if masked else s, m_i, masked=masked)
       acc = softmax.rescale(acc, alpha)
       p_tile = p.astype(self.dtype)
-      l_i = softmax.add_row_sums(l_i, p_tile)
+      sums = softmax.add_row_sums(sums, alpha, p, p_tile)
       # Keep the softmax before the barrier (the order decides the overlap).
-      acc, l_i, m_new, p_tile = lax.optimization_barrier((acc, l_i, m_new, p_tile))
+      acc, sums, m_new, p_tile = lax.optimization_barrier((acc, sums, m_new, p_tile))
       self.turns.start_turn(ring.v_ready.at[slot])  # the tensor cores are ours again
 
       def pv(acc_ref):
@@ -215,7 +215,7 @@ class _Consumer:
 
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # the accumulator stays in its registers
       plgpu.barrier_arrive(ring.v_free.at[slot])
-      return acc, m_new, l_i
+      return acc, m_new, sums
 
     # Blocks [cta_lo, full_lo) and [full_hi, hi) straddle a window edge, a document's, the
     # diagonal or the end of the keys and run masked; every row sees all of [full_lo, full_hi).
@@ -233,23 +233,23 @@ class _Consumer:
     ring, turns, softmax, dtype = self.ring, self.turns, self.softmax, self.dtype
 
     def first_block(_, carry):
-      acc, m_i, l_i, _ = carry
+      acc, m_i, sums, _ = carry
       slot = slot_of(cta_lo)
       turns.start_turn(ring.k_ready.at[slot])
-      # acc is still zero: nothing to rescale.
-      p, m_i, _, l_i = softmax.step(mask(self.scores(slot), cta_lo), m_i, l_i, masked=True)
+      # acc and the sums are still zero: nothing to rescale.
+      p, m_i, _ = softmax.step(mask(self.scores(slot), cta_lo), m_i, masked=True)
       p_tile = p.astype(dtype)
-      return acc, m_i, softmax.add_row_sums(l_i, p_tile), p_tile
+      return acc, m_i, softmax.add_row_sums(sums, None, p, p_tile), p_tile
 
     def overlapped_step(j, carry, *, masked: bool):
-      acc, m_i, l_i, p_prev = carry  # p_prev [block_q, block_kv]: P of block j - 1
+      acc, m_i, sums, p_prev = carry  # p_prev [block_q, block_kv]: P of block j - 1
       rescales = not (softmax.fixed_reference and not masked)  # else the step gives no alpha
       slot, prev = slot_of(j), slot_of(j - 1)
       plgpu.barrier_wait(ring.k_ready.at[slot])
       turns.start_turn(ring.v_ready.at[prev])
 
       def body(refs):
-        acc_ref, s_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+        acc_ref, s_ref, p_ref, m_ref, alpha_ref = refs
         plgpu.wgmma(s_ref, self.q_tile, ring.k(slot).T)
         plgpu.wgmma(acc_ref, p_prev, ring.v(prev))
         turns.end_turn()
@@ -258,22 +258,21 @@ class _Consumer:
         # P stays float32 here: registers that the running PV reads (p_prev) must not be
         # written before it completes, so P is converted after the wait, as in
         # FlashAttention-3. The barrier keeps the softmax ahead of that wait.
-        p, m_new, alpha, l_new = softmax.step(mask(s, j) if masked else s, m_i, l_i, masked=masked)
+        p, m_new, alpha = softmax.step(mask(s, j) if masked else s, m_i, masked=masked)
         if not rescales:  # (the ref still takes a value)
           alpha = m_new
-        p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = lax.optimization_barrier(
-            (p, m_new, alpha, l_new))
+        p_ref[...], m_ref[...], alpha_ref[...] = lax.optimization_barrier((p, m_new, alpha))
 
-      acc, _, p, m_new, l_new, alpha = pl.run_state(body)(
-          (plgpu.ACC.init(acc), plgpu.ACC.init(self.zero_scores), self.zero_scores, m_i, l_i, m_i))
+      acc, _, p, m_new, alpha = pl.run_state(body)(
+          (plgpu.ACC.init(acc), plgpu.ACC.init(self.zero_scores), self.zero_scores, m_i, m_i))
       plgpu.barrier_arrive(ring.v_free.at[prev])
-      if rescales:
-        acc = softmax.rescale(acc, alpha)
+      alpha = alpha if rescales else None
+      acc = softmax.rescale(acc, alpha)
       p_tile = p.astype(dtype)
-      return acc, m_new, softmax.add_row_sums(l_new, p_tile), p_tile
+      return acc, m_new, softmax.add_row_sums(sums, alpha, p, p_tile), p_tile
 
     def last_pv(_, carry):
-      acc, m_i, l_i, p = carry
+      acc, m_i, sums, p = carry
       slot = slot_of(hi - 1)
       turns.start_turn(ring.v_ready.at[slot])
 
@@ -283,7 +282,7 @@ class _Consumer:
 
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(ring.v_free.at[slot])
-      return acc, m_i, l_i, p
+      return acc, m_i, sums, p
 
     has_blocks = (hi > cta_lo).astype(jnp.int32)
     pl.when(hi == cta_lo)(turns.skip_turn)
@@ -297,28 +296,29 @@ class _Consumer:
                           functools.partial(overlapped_step, masked=False), carry)
     carry = lax.fori_loop(jnp.maximum(full_hi, start), hi,
                           functools.partial(overlapped_step, masked=True), carry)
-    acc, m_i, l_i, _ = lax.fori_loop(0, has_blocks, last_pv, carry)
-    return acc, m_i, l_i
+    acc, m_i, sums, _ = lax.fori_loop(0, has_blocks, last_pv, carry)
+    return acc, m_i, sums
 
-  def store_tile(self, acc, m_i, l_i, batch, head, q_base, q_valid):
+  def store_tile(self, acc, m_i, sums, batch, head, q_base, q_valid):
     """FlashAttention-2 divides once, here, and stores the output tile and its LSE. Rows that
     saw no key (l = 0), and padding rows, give exact zeros (their LSE is set to -inf outside,
     where the lengths are at hand); rows that saw a NaN score or value (l or acc NaN) give
     NaN, as jax.nn does."""
     block_q, head_dim, softmax = self.block_q, self.head_dim, self.softmax
+    l_out, l_lse = sums
     if softmax.sums_from_pv:  # the sums' columns are equal: any one is the row sum
-      acc, l_i = acc[:, :head_dim], acc[:, head_dim:].max(axis=1)
+      acc, l_out = acc[:, :head_dim], acc[:, head_dim:].max(axis=1)
     if softmax.fixed_reference:
-      # Probabilities that overflowed leave inf or NaN in l or acc (x * 0 is NaN for
+      # Probabilities that overflowed leave inf or NaN in the sums or acc (x * 0 is NaN for
       # those alone): the row's LSE is NaN, and the second pass recomputes its tile.
-      overflowed = (l_i * 0.0 + (acc * 0.0).sum(axis=1)) != 0.0
-    attended = l_i != 0.0  # (NaN too)
-    inv_l = 1.0 / jnp.where(attended, l_i, 1.0)
+      overflowed = (l_lse * 0.0 + (acc * 0.0).sum(axis=1)) != 0.0
+    attended = l_out != 0.0  # (NaN too)
+    inv_l = 1.0 / jnp.where(attended, l_out, 1.0)
     shape = (block_q, head_dim)
     keep = (iota(shape, 0) < q_valid - q_base) & rows_bcast(attended, shape)
     self.o_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(self.dtype)
     # m and log2(l) are base 2: ln 2 converts back to the natural-log LSE.
-    lse = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_i, 1.0)), -jnp.inf)
+    lse = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_lse, 1.0)), -jnp.inf)
     self.lse_smem[self.wg] = jnp.where(overflowed, jnp.nan, lse) if softmax.fixed_reference else lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(self.o_tile, self.o_ref.at[batch, pl.ds(q_base, block_q), head])
