@@ -40,8 +40,12 @@ __all__ = ["paged_decode_attention", "paged_kv_write", "gather_pages", "block_ta
            "paged_decode_attention_reference"]
 
 
-def _paged_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
-  """Tile addresser over the pool's rows [num_pages * page_size, K, H].
+def _pool_rows(block_k: int, page_size: int, num_pages: int):
+  """(table_ref, row, tok0, key_ok) -> the pool rows [num_pages * page_size] holding tokens
+  tok0 .. tok0 + block_k - 1 of one sequence: a pl.ds of contiguous rows (page_size >=
+  block_k) or their [block_k, 1] int32 column (a tile spanning pages). `row` indexes the
+  sequence's table entries: (b,) in the whole table [B, max_pages], () in its own row
+  [max_pages]. key_ok [block_k] (None: all) masks the tokens past the sequence's end.
 
   Table entries are clamped into [0, num_pages): a bad entry reads a wrong page of the
   pool, never memory outside it (see paged_decode_attention).
@@ -54,24 +58,50 @@ def _paged_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
     return lax.shift_right_logical(tok, page_shift), tok & (page_size - 1)
 
   if page_size >= block_k:
-    def tile_index(table_ref, b, h, tok0, key_ok):
+    def rows(table_ref, row, tok0, key_ok):
       del key_ok  # tok0 < length, so the one entry read is a valid one
       logical, slot = page_and_slot(tok0)
-      page = jnp.clip(table_ref[b, logical], 0, num_pages - 1)
-      return (pl.ds(page * page_size + slot, block_k), h, pl.ds(0, head_dim_p))
-    return tile_index
+      page = jnp.clip(table_ref[(*row, logical)], 0, num_pages - 1)
+      return pl.ds(page * page_size + slot, block_k)
+    return rows
 
-  def tile_index(table_ref, b, h, tok0, key_ok):
+  def rows(table_ref, row, tok0, key_ok):
     logical, slot = page_and_slot(tok0 + jnp.arange(block_k))  # [block_k] each
     # One entry per token (each page's entry repeats page_size times: one vector load of
     # block_k int32 that the L1 serves). In the ragged last tile the entries of pages past
     # the sequence's end are masked: they are never read.
-    if key_ok is None:
-      page = load(table_ref.at[b, logical])
-    else:
-      page = load(table_ref.at[b, logical], mask=key_ok, other=0)
-    rows = jnp.clip(page, 0, num_pages - 1) * page_size + slot  # [block_k]
-    return (rows[:, None], h, jnp.arange(head_dim_p)[None, :])
+    entries = table_ref.at[(*row, logical)]
+    page = load(entries) if key_ok is None else load(entries, mask=key_ok, other=0)
+    return (jnp.clip(page, 0, num_pages - 1) * page_size + slot)[:, None]  # [block_k, 1]
+  return rows
+
+
+def _head_dim_index(page_size: int, block_k: int, head_dim_p: int):
+  """The head-dim part of a tile index: a slice beside a row slice, a [1, Hp] row of
+  indices beside a gathered [block_k, 1] column (a gather takes arrays in every axis)."""
+  if page_size >= block_k:
+    return pl.ds(0, head_dim_p)
+  return jnp.arange(head_dim_p)[None, :]
+
+
+def _paged_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
+  """Tile addresser over the pool's rows [num_pages * page_size, K, H] and the whole table
+  [B, max_pages]: (table_ref, b, h, tok0, key_ok) -> the index of a [block_k, Hp] tile."""
+  pool_rows = _pool_rows(block_k, page_size, num_pages)
+
+  def tile_index(table_ref, b, h, tok0, key_ok):
+    return (pool_rows(table_ref, (b,), tok0, key_ok), h, _head_dim_index(page_size, block_k, head_dim_p))
+  return tile_index
+
+
+def paged_head_tile(block_k: int, page_size: int, num_pages: int, head_dim_p: int):
+  """Tile addresser over one KV head's pool rows [num_pages * page_size, H] and one
+  sequence's table row [max_pages] (what the prefill kernel's BlockSpecs select):
+  (table_row_ref, tok0, key_ok) -> the index of a [block_k, Hp] tile."""
+  pool_rows = _pool_rows(block_k, page_size, num_pages)
+
+  def tile_index(table_row_ref, tok0, key_ok):
+    return (pool_rows(table_row_ref, (), tok0, key_ok), _head_dim_index(page_size, block_k, head_dim_p))
   return tile_index
 
 

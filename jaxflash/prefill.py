@@ -33,7 +33,10 @@ from jaxflash._triton import (APPROX_EXP2, LN_2, LOG2_E, CompilerParams, block_s
                               load_tile, mask2d, operand_spec, pl, quiet, store, use_interpret)
 from jaxflash._util import dot_precision
 from jaxflash.configs import PrefillConfig
-from jaxflash.reference import attention_reference
+from jaxflash.decode import load_scales
+from jaxflash.paged import paged_head_tile
+from jaxflash.quantize import dequantize_kv, dequantize_tile
+from jaxflash.reference import attention_reference, gather_pages
 from jaxflash.score_mods import ScoreMods, key_blocks, window_size
 from jaxflash.sharding import manual_axes, result_struct
 
@@ -48,11 +51,15 @@ def _prefill_kernel(
     kv_segment_ref,  # [seq_kv] int32: every key's document id
     span_ref,  # [2] int32: the key blocks whose ids may meet these rows' (segments.block_spans)
     q_ref,  # [block_q, head_dim_padded]: rows of query head n of sequence b
-    k_ref,  # [seq_kv, head_dim_padded]: all keys of KV head n // group of sequence b
-    v_ref,  # [seq_kv, head_dim_padded]
+    table_ref,  # [max_pages] int32: sequence b's block table row (None: a contiguous cache)
+    k_ref,  # [kv_rows, head_dim_padded]: KV head n // group's rows: sequence b's S keys, or the pool's
+    v_ref,  # [kv_rows, head_dim_padded]
+    k_scale_ref,  # [kv_rows] float32: a one-byte cache's per-token scales (None: a float cache)
+    v_scale_ref,  # [kv_rows] float32
     o_ref,  # [block_q, head_dim_padded]
     lse_ref,  # [block_q] float32 natural-log log-sum-exp (None: not requested)
     *,
+    tile_index,  # (table_ref, kv_start, key_ok) -> the index of a [block_k, Hp] tile of k_ref / v_ref
     mods: ScoreMods,
     bias_layout: tuple[bool, bool],
     mask_layout: tuple[bool, bool],
@@ -86,7 +93,8 @@ def _prefill_kernel(
   # they add nothing to q.k, and they are never stored.
   col_mask = None if head_dim == head_dim_padded else jnp.arange(head_dim_padded) < head_dim
 
-  compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+  # A one-byte cache is dequantized tile by tile into the query's dtype for the matmuls.
+  compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype) if k_scale_ref is None else q_ref.dtype
   # float32 inputs get IEEE dots (not TF32) unless jax.default_matmul_precision asks less.
   dot_kwargs = dict(precision=dot_precision(compute_dtype))
   q = load_masked(q_ref, mask2d(row_valid, col_mask, (block_q, head_dim_padded)))
@@ -114,7 +122,10 @@ def _prefill_kernel(
     # those rows load as zeros, so garbage there can never reach the output as 0 * NaN.
     key_ok = keys < kv_valid if edge else None
     kv_mask = mask2d(key_ok, col_mask, (block_k, head_dim_padded))
-    k = load_masked(k_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
+    index = tile_index(table_ref, kv_start, key_ok)  # keys kv_start.. in k_ref and v_ref
+    k = load_masked(k_ref.at[index], kv_mask)
+    if k_scale_ref is not None:  # dequantized right after the load, in float32
+      k = dequantize_tile(k, load_scales(k_scale_ref, index, key_ok, block_k)[:, None], compute_dtype)
     qk = dot(q, k.astype(compute_dtype), trans_b=True, **dot_kwargs)
     # Scores in float32 and base 2 (scaled by log2 e) so the exponentials are exp2;
     # scaling the float32 scores, not a bf16 Q, keeps the error down.
@@ -141,7 +152,9 @@ def _prefill_kernel(
     alpha = exp2(m_i - m_new_safe, approx=approx_exp2)  # rescales the old state to the new max
     p = exp2(s - m_new_safe[:, None], approx=approx_exp2)  # [block_q, block_k]
     l_i = l_i * alpha + jnp.sum(p, axis=1)
-    v = load_masked(v_ref.at[pl.ds(kv_start, block_k), :], kv_mask)
+    v = load_masked(v_ref.at[index], kv_mask)
+    if v_scale_ref is not None:
+      v = dequantize_tile(v, load_scales(v_scale_ref, index, key_ok, block_k)[:, None], compute_dtype)
     v = v.astype(compute_dtype)
     acc = acc * alpha[:, None] + dot(p.astype(compute_dtype), v, **dot_kwargs)
     return acc, m_new, l_i
@@ -232,20 +245,15 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   _checks.check_same_batch(query, key)
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch, seq_q)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, seq_kv)
-  scores_shape = (batch, num_heads, seq_q, seq_kv)
-  bias = _checks.check_bias(bias, scores_shape)
-  mask = _checks.check_mask(mask, scores_shape)
-  sinks = _checks.check_sinks(sinks, num_heads)
   segment_ids, kv_segment_ids = segments.check_segment_ids(segment_ids, kv_segment_ids, batch, seq_q,
                                                            seq_kv)
   mods = ScoreMods.from_options(is_causal=is_causal, causal_alignment=causal_alignment,
                                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   static_scale = head_dim ** -0.5 if scale is None else _checks.split_scale(scale)[0]
-  scale = _checks.scale_operand(scale, head_dim)
   tile_dtype = jnp.promote_types(query.dtype, key.dtype)
   config = resolve_config(config, head_dim, tile_dtype)
-  options = vjp.Options(q_lengths, kv_lengths, bias=bias, mask=mask, sinks=sinks, scale=scale,
-                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  options = vjp.Options(q_lengths, kv_lengths, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                        **score_operands(query, seq_kv, bias=bias, mask=mask, sinks=sinks, scale=scale))
   # The Pallas-Triton forward keeps the Triton backward unless "mosaic" is asked.
   backward = vjp.choose_backward(backward_implementation or "triton", query, key, value, options,
                                  mods=mods, static_scale=static_scale, config=backward_config,
@@ -259,18 +267,32 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                            return_residual=return_residual)
 
 
-def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, scale, sinks,
-                    segment_ids=None, kv_segment_ids=None, mods: ScoreMods, return_residual: bool,
-                    config: PrefillConfig, interpret):
-  """The kernel launch, on checked arguments (`prefill_attention` checks them).
+def score_operands(query, seq_kv: int, *, bias, mask, sinks, scale) -> dict:
+  """bias, mask, sinks and scale checked against the scores [B, N, T, S] (ValueError or
+  TypeError naming the argument) and made the operands `prefill_forward` takes."""
+  batch, seq_q, num_heads, head_dim = query.shape
+  scores_shape = (batch, num_heads, seq_q, seq_kv)
+  return dict(bias=_checks.check_bias(bias, scores_shape), mask=_checks.check_mask(mask, scores_shape),
+              sinks=_checks.check_sinks(sinks, num_heads), scale=_checks.scale_operand(scale, head_dim))
 
-  q_lengths, kv_lengths: int32 [B] or None; bias float / mask bool [Bb, Nb, Tb, Sb] (rank 4,
-  each axis 1 or full) or None; scale: float32 []; sinks: float32 [N] or None;
-  segment_ids int32 [B, T] and kv_segment_ids int32 [B, S], both or neither.
-  Returns (out, lse) with `return_residual`, else out.
+
+def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, scale, sinks,
+                    segment_ids=None, kv_segment_ids=None, block_table=None, k_scale=None, v_scale=None,
+                    mods: ScoreMods, return_residual: bool, config: PrefillConfig, interpret):
+  """The kernel launch, on checked arguments (`prefill_attention` and
+  `paged_prefill_attention` check them).
+
+  key, value: caches [B, S, K, H], or with block_table [B, max_pages] int32 page pools
+  [num_pages, page_size, K, H] holding sequence b's logical page j at pool page
+  block_table[b, j] (S = max_pages * page_size); k_scale, v_scale: a one-byte cache's
+  float32 scales, its shape without H, or None. q_lengths, kv_lengths: int32 [B] or None;
+  bias float / mask bool [Bb, Nb, Tb, Sb] (rank 4, each axis 1 or full) or None; scale:
+  float32 []; sinks: float32 [N] or None; segment_ids int32 [B, T] and kv_segment_ids int32
+  [B, S], both or neither. Returns (out, lse) with `return_residual`, else out.
   """
   batch, seq_q, num_heads, head_dim = query.shape
-  seq_kv, num_kv_heads = key.shape[1], key.shape[2]
+  num_kv_heads = key.shape[2]
+  seq_kv = key.shape[1] if block_table is None else block_table.shape[1] * key.shape[1]
   if 0 in (batch, seq_q, num_heads, head_dim) or seq_kv == 0:
     # Nothing to launch: every row has zero keys (or there are no rows).
     out = jnp.zeros(query.shape, query.dtype)
@@ -285,7 +307,11 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
     # Inside jax.shard_map with check_vma on, JAX's Pallas interpreter (jax 0.10) pads refs
     # with constants that vary over no mesh axis and the check refuses them ("Primitive pad
     # requires varying manual axes to match"). Interpreted there, the plain-JAX reference
-    # stands in; compiled kernels run as everywhere else.
+    # stands in (on the pages gathered into caches); compiled kernels run as everywhere else.
+    if k_scale is not None:
+      key, value = dequantize_kv(key, k_scale, query.dtype), dequantize_kv(value, v_scale, query.dtype)
+    if block_table is not None:
+      key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     out, lse = attention_reference(
         query, key, value, bias, mask, scale=scale, is_causal=mods.is_causal,
         query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, local_window_size=mods.window,
@@ -308,16 +334,14 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
   def q_block_index(n, i, b):
     return b, num_q_blocks - 1 - i, n, 0
 
-  def kv_index(n, i, b):
-    del i
-    return b, 0, lax.div(n, group), 0
-
   # Optional operands (None) get no BlockSpec and reach the kernel as None refs.
   length_spec = pl.BlockSpec((None,), lambda n, i, b: (b,))
   bias_spec, bias_layout = (None, None) if bias is None else operand_spec(bias, block_q, num_q_blocks)
   mask_spec, mask_layout = (None, None) if mask is None else operand_spec(mask, block_q, num_q_blocks)
   if mask is not None:
     mask = mask.astype(jnp.int8)  # a byte a flag, as bool; Triton loads bytes, not i1
+  kv_operands, tile_index = _kv_operands(key, value, block_table, k_scale, v_scale, block_k=block_k,
+                                         group=group, head_dim_padded=head_dim_padded)
   spans = None
   if segment_ids is not None:
     spans = segments.block_spans(segment_ids, kv_segment_ids, block_q, block_k)  # [B, nq, 2]
@@ -332,12 +356,11 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
       kv_segment_ids=(kv_segment_ids, pl.BlockSpec((None, seq_kv), lambda n, i, b: (b, 0))),
       segment_spans=(spans, pl.BlockSpec((None, None, 2), lambda n, i, b: (b, num_q_blocks - 1 - i, 0))),
       query=(query, pl.BlockSpec((None, block_q, None, head_dim_padded), q_block_index)),
-      key=(key, pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index)),
-      value=(value, pl.BlockSpec((None, seq_kv, None, head_dim_padded), kv_index)),
+      **kv_operands,
   )
   names = [name for name, (x, _) in operands.items() if x is not None]
   kernel = functools.partial(
-      _prefill_kernel, mods=mods, bias_layout=bias_layout, mask_layout=mask_layout,
+      _prefill_kernel, tile_index=tile_index, mods=mods, bias_layout=bias_layout, mask_layout=mask_layout,
       block_q=block_q, block_k=block_k, head_dim=head_dim, seq_q=seq_q, seq_kv=seq_kv,
       num_q_blocks=num_q_blocks, approx_exp2=APPROX_EXP2 and not use_interpret(interpret))
 
@@ -355,11 +378,11 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
 
   # Work: the key blocks the loop bounds visit at full lengths (O(n w) with a window).
   pairs = batch * num_heads * count_key_blocks(mods, seq_q, seq_kv, block_q, block_k) * block_q * block_k
-  optional_bytes = sum(x.size * x.dtype.itemsize for x in (bias, mask) if x is not None)
+  optional_bytes = sum(x.size * x.dtype.itemsize for x in (bias, mask, k_scale, v_scale) if x is not None)
+  kv_bytes = 2 * batch * seq_kv * num_kv_heads * head_dim * key.dtype.itemsize  # a table's full capacity
   cost = pl.CostEstimate(
       flops=int(4 * pairs * head_dim), transcendentals=int(pairs),
-      bytes_accessed=int(2 * query.size * query.dtype.itemsize
-                         + 2 * key.size * key.dtype.itemsize + optional_bytes))
+      bytes_accessed=int(2 * query.size * query.dtype.itemsize + kv_bytes + optional_bytes))
   with quiet():
     call = pl.pallas_call(
         kernel_with_optional_refs,
@@ -370,10 +393,50 @@ def prefill_forward(query, key, value, q_lengths, kv_lengths, *, bias, mask, sca
         compiler_params=CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
         cost_estimate=cost,
         interpret=use_interpret(interpret),
-        name="jaxflash_prefill",
+        name="jaxflash_prefill" if block_table is None else "jaxflash_paged_prefill",
     )
     results = call(*inputs)
   return tuple(results) if return_residual else results[0]
+
+
+def _contiguous_head_tile(block_k: int):
+  """Tile addresser over one (sequence, KV head)'s keys [S, Hp], as its BlockSpec selects
+  them: keys kv_start.. are rows kv_start.., a plain slice read in place."""
+  def tile_index(table_ref, kv_start, key_ok):
+    del table_ref, key_ok
+    return pl.ds(kv_start, block_k), slice(None)
+  return tile_index
+
+
+def _kv_operands(key, value, block_table, k_scale, v_scale, *, block_k: int, group: int,
+                 head_dim_padded: int):
+  """The K/V operands (with the block table and the scales) as (array or None, BlockSpec)
+  pairs, and the addresser of their tiles.
+
+  Each program sees the rows [kv_rows, Hp] of its KV head n // group. A contiguous cache
+  gives sequence b's S keys, and tile j is rows j * block_k.. of them. A page pool
+  [P, page, K, H] is viewed as rows [P * page, K, H] (a bitcast: read in place) and the
+  program also gets sequence b's table row: key s sits at row
+  table[s // page] * page + s % page ("Efficient Memory Management for Large Language Model
+  Serving with PagedAttention"), looked up per tile (`paged_head_tile`).
+  """
+  if block_table is None:
+    seq_kv = key.shape[1]
+    kv_spec = pl.BlockSpec((None, seq_kv, None, head_dim_padded),
+                           lambda n, i, b: (b, 0, lax.div(n, group), 0))
+    scale_spec = pl.BlockSpec((None, seq_kv, None), lambda n, i, b: (b, 0, lax.div(n, group)))
+    table_spec, tile_index = None, _contiguous_head_tile(block_k)
+  else:
+    num_pages, page_size, num_kv_heads, head_dim = key.shape
+    kv_rows = num_pages * page_size
+    key, value = (x.reshape(kv_rows, num_kv_heads, head_dim) for x in (key, value))
+    k_scale, v_scale = (None if x is None else x.reshape(kv_rows, num_kv_heads) for x in (k_scale, v_scale))
+    kv_spec = pl.BlockSpec((kv_rows, None, head_dim_padded), lambda n, i, b: (0, lax.div(n, group), 0))
+    scale_spec = pl.BlockSpec((kv_rows, None), lambda n, i, b: (0, lax.div(n, group)))
+    table_spec = pl.BlockSpec((None, block_table.shape[1]), lambda n, i, b: (b, 0))
+    tile_index = paged_head_tile(block_k, page_size, num_pages, head_dim_padded)
+  return dict(block_table=(block_table, table_spec), key=(key, kv_spec), value=(value, kv_spec),
+              k_scale=(k_scale, scale_spec), v_scale=(v_scale, scale_spec)), tile_index
 
 
 def count_key_blocks(mods: ScoreMods, seq_q: int, seq_kv: int, block_q: int, block_k: int) -> int:
