@@ -71,7 +71,8 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   reference, every option) or "cudnn" (jax.nn's cuDNN path; NotImplementedError for the
   options it lacks). Kernel chosen: one query token whose position is its sequence's last
   (bottom-right, or no causal mask and no window) -> split-KV decode (paged decode with
-  `block_table`), otherwise the FlashAttention-2 prefill kernel.
+  `block_table`), otherwise the FlashAttention-2 prefill kernel (with `block_table`, over the
+  pages in place, every option but segment ids).
 
   Precision: bf16 / fp16 inputs multiply on the tensor cores in their own type with float32
   accumulation and a float32 softmax, in every kernel. float32 inputs run on the Pallas-Triton
@@ -83,9 +84,9 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   every option: the prefill and one-token decode paths, whichever forward kernel runs
   (Pallas-Triton or Mosaic GPU), are differentiated by FlashAttention-2 backward kernels,
   which give the gradients of query, key, value, bias, sinks and a traced scale; paged
-  decode raises NotImplementedError when differentiated, as do second derivatives; jax.jvp
-  raises JAX's custom_vjp error. backward_implementation (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`):
-  "triton" (Pallas-Triton), "mosaic" (the Mosaic GPU backward on sm_90 after the Mosaic
+  calls (block_table) raise NotImplementedError when differentiated, as do second
+  derivatives; jax.jvp raises JAX's custom_vjp error. backward_implementation
+  (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`): "triton" (Pallas-Triton), "mosaic" (the Mosaic GPU backward on sm_90 after the Mosaic
   forward: d = 64 / 128, causal or not, lengths; ValueError with
   `jaxflash.vjp.mosaic_backward_reason` where it cannot serve), or None: the Mosaic one where
   `jaxflash.vjp.default_backward_reason` is None (it serves the call with at least one wave of
@@ -97,7 +98,7 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
 
   Quantized caches: key/value int8 or float8_e4m3fn (`jaxflash.quantize_kv`) with k_scale /
   v_scale float32 of their shape without H ([B, S, K], or [P, page, K] for pages). The
-  split-KV decode, the paged decode and the paged prefill (T > 1, bottom-right) dequantize
+  split-KV decode, the paged decode and the paged prefill (every other paged call) dequantize
   each tile after its load; other calls dequantize the cache first. Not differentiable.
   """
   implementation = _check_implementation(implementation)
@@ -132,12 +133,11 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
       raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
     implementation = "mosaic" if reason is None else "triton"
   # The decode kernels, the Mosaic prefill and cuDNN take the scale as a compile-time
-  # number; the Triton prefill and the reference take it as an operand, so a new value
-  # never recompiles.
+  # number; the Triton prefill (over caches or pages) and the reference take it as an
+  # operand, so a new value never recompiles.
   decode_like = _decode_semantics(query, query_seq_lengths, mods)
   static_scale = None
-  if (implementation in ("cudnn", "mosaic")
-      or (implementation == "triton" and (decode_like or block_table is not None))):
+  if implementation in ("cudnn", "mosaic") or (implementation == "triton" and decode_like):
     static_scale = _concrete_scale(scale, query.shape[-1])
   if scale is not None:
     scale = jnp.asarray(scale, jnp.float32)  # one operand type: Python and NumPy scalars share a trace
@@ -372,7 +372,7 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
   own_kernels = not (sharding.manual_axes() and use_interpret())
 
   if implementation == "xla":
-    if paged:
+    if paged:  # the reference reads contiguous caches only
       key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     result = attention_reference(
         query, key, value, bias, mask, scale=_checks.default_scale(scale, head_dim),
@@ -429,18 +429,15 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
                                # One query row a sequence: the Triton backward.
                                mods=mods, backward_implementation=backward_implementation,
                                static_scale=None)
-  elif own_kernels and paged and _paged_prefill_serves(mods, static_scale, options):
-    from jaxflash.paged_prefill import paged_prefill_attention
-    kernel = functools.partial(paged_prefill_attention, scale=static_scale,
-                               is_causal=mods.is_causal, return_residual=True)
-    run = _not_differentiable(lambda *arrays: sharding.paged_prefill(kernel, *arrays),
-                              "paged prefill (block_table)")
-    result = run(query, key, value, kv_lengths, block_table, q_lengths)
+  elif paged:
+    # Every other paged call (T > 1, a top-left position, a traced scale) runs the prefill
+    # kernel over the pages, read in place through the block table, with every option.
+    given = {name: x for name, x in dict(scale=scale, **options).items() if x is not None}
+    kernel = _paged_prefill_kernel(mods)
+    run = _not_differentiable(lambda *arrays: sharding.paged_prefill(kernel, *arrays[:6], **dict(
+        zip(given, arrays[6:]))), "paged prefill (block_table)")
+    result = run(query, key, value, kv_lengths, block_table, q_lengths, *given.values())
   else:
-    if paged:
-      # What the paged kernels do not take (a top-left position, a traced scale, or options
-      # with T > 1): the prefill kernel over the gathered pages.
-      key, value = gather_pages(key, block_table), gather_pages(value, block_table)
     from jaxflash.prefill import prefill_forward
     config = configs.prefill_config(head_dim, jnp.promote_types(query.dtype, key.dtype))
 
@@ -484,7 +481,7 @@ def _quantized_attention(query, key, value, k_scale, v_scale, bias, mask, scale,
   options = dict(bias=_checks.check_bias(bias, scores_shape), mask=_checks.check_mask(mask, scores_shape),
                  sinks=_checks.check_sinks(sinks, num_heads))
   scales = dict(k_scale=k_scale, v_scale=v_scale)
-  # Interpreted inside jax.shard_map, only the float prefill path serves (as in _attention).
+  # Interpreted inside jax.shard_map, the decode kernels step aside (as in _attention).
   own_kernels = not (sharding.manual_axes() and use_interpret())
   kernels = implementation == "triton" and static_scale is not None and own_kernels
   if kernels and _decode_semantics(query, q_lengths, mods):
@@ -497,11 +494,9 @@ def _quantized_attention(query, key, value, k_scale, v_scale, bias, mask, scale,
                                       **scales)
     else:
       result = decode_attention(query, key, value, kv_lengths, **options, **static, **scales)
-  elif kernels and paged and _paged_prefill_serves(mods, static_scale, options):
-    from jaxflash.paged_prefill import paged_prefill_attention
-    result = paged_prefill_attention(query, key, value, kv_lengths, block_table, q_lengths,
-                                     scale=static_scale, is_causal=mods.is_causal, return_residual=True,
-                                     **scales)
+  elif implementation == "triton" and paged:  # the prefill kernel over the pages, as in _attention
+    result = _paged_prefill_kernel(mods)(query, key, value, kv_lengths, block_table, q_lengths, scale=scale,
+                                         **options, **scales)
   else:  # no kernel reads this call's quantized cache: dequantize it, then the float path
     key, value = dequantize_kv(key, k_scale, query.dtype), dequantize_kv(value, v_scale, query.dtype)
     result = _attention(query, key, value, options["bias"], options["mask"], scale, q_lengths, kv_lengths,
@@ -524,12 +519,13 @@ def _checked_keys(query, key, block_table, kv_lengths):
   return block_table, block_table.shape[1] * key.shape[1]
 
 
-def _paged_prefill_serves(mods: ScoreMods, static_scale, options) -> bool:
-  """Whether jaxflash.paged_prefill_attention computes this call: bottom-right causal (or no
-  causal mask), a compile-time scale and no other option."""
-  return (static_scale is not None and mods.window is None and mods.logits_soft_cap is None
-          and all(x is None for x in options.values())
-          and (mods.causal_alignment == "bottom_right" or not mods.is_causal))
+def _paged_prefill_kernel(mods: ScoreMods):
+  """jaxflash.paged_prefill_attention with the call's static options bound, returning
+  (out, lse): it serves every paged call the paged decode kernel does not."""
+  from jaxflash.paged_prefill import paged_prefill_attention
+  return functools.partial(paged_prefill_attention, is_causal=mods.is_causal,
+                           causal_alignment=mods.causal_alignment, local_window_size=mods.window,
+                           logits_soft_cap=mods.logits_soft_cap, return_residual=True)
 
 
 def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: ScoreMods, scale: float | None, return_residual: bool, bias, mask, sinks):
@@ -545,7 +541,7 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
     raise unsupported("return_residual")
   if scale is None:
     raise unsupported("a traced scale (cuDNN takes the scale as a compile-time number)")
-  if block_table is not None:
+  if block_table is not None:  # cuDNN reads contiguous caches only
     key, value = gather_pages(key, block_table), gather_pages(value, block_table)
   batch, t, s = query.shape[0], query.shape[1], key.shape[1]
   masks_positions = mods.is_causal or mods.window is not None

@@ -19,6 +19,12 @@ start, and the scale is an operand, so a new value never recompiles.
 
 Layout everywhere: query [B, T, N, H], key/value [B, S, K, H], N a multiple of K. Query
 head n reads KV head n // (N // K) by index; K and V are never repeated.
+
+K and V tiles are found by a tile addresser, the one thing that differs between caches: a
+contiguous cache's tile is a slice of its rows; a page pool's (jaxflash/paged_prefill.py)
+is looked up in the sequence's block table ("Efficient Memory Management for Large Language
+Model Serving with PagedAttention"). A one-byte cache (int8, float8_e4m3fn) is dequantized
+tile by tile after the load. Every option above works over either.
 """
 from __future__ import annotations
 

@@ -140,11 +140,13 @@ def paged(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_ta
 
 
 def paged_prefill(kernel, query, key_pages, value_pages, key_value_seq_lengths, block_table,
-                  query_seq_lengths=None):
-  """kernel(query, key_pages, value_pages, kv_lengths, block_table, q_lengths) -> (out, lse),
-  sharding-aware: `paged` with T new tokens per sequence and their counts [B]."""
+                  query_seq_lengths=None, **options):
+  """kernel(query, key_pages, value_pages, kv_lengths, block_table, q_lengths, **options) ->
+  (out, lse), sharding-aware: `paged` with T new tokens per sequence and their counts [B];
+  bias/mask [B, N, T, max_pages * page_size]-broadcastable, sinks [N], scale []."""
   return _call(kernel, PAGED_PREFILL_OPERANDS,
-               (query, key_pages, value_pages, key_value_seq_lengths, block_table, query_seq_lengths))
+               (query, key_pages, value_pages, key_value_seq_lengths, block_table, query_seq_lengths),
+               options)
 
 
 def manual_axes() -> tuple[str, ...]:
