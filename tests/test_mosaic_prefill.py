@@ -87,7 +87,7 @@ CASES = [
     (8, 120, 128, 64, 8, 64, F16, True, FAST),
     (2, 1000, 1100, 12, 2, 128, BF16, True, dataclasses.replace(FAST, separate_output=False)),
     (1, 129, 100, 6, 1, 128, F16, True, FAST),
-    (1, 33, 70, 7, 1, 128, BF16, False, dataclasses.replace(FAST, num_stages=3)),
+    (1, 33, 70, 7, 1, 128, BF16, False, dataclasses.replace(FAST, block_kv=64, num_stages=3)),
     (1, 300, 257, 8, 1, 256, BF16, True, dataclasses.replace(FAST, block_kv=64, separate_output=False)),
     (2, 1000, 1100, 12, 2, 128, BF16, True, THREE_64),  # 96 tiles of 192 rows
     (1, 33, 70, 7, 1, 128, F16, False, THREE_64),
@@ -108,6 +108,17 @@ CASES = [
     (8, 120, 128, 64, 8, 64, BF16, True, THREE_SUMMED_FIXED),
     (1, 513, 777, 3, 3, 192, BF16, True, dataclasses.replace(FIXED, block_kv=64,
                                                              separate_output=False)),
+]
+
+
+# Configs run on one causal 384-token shape at d = 128 (test_configs).
+CONFIGS_AT_D128 = [
+    C(64, 128, 2), C(64, 64, 4), C(64, 192, 2), OVERLAP, FAST,
+    C(64, 128, 2, separate_output=True), C(64, 64, 3, overlap_softmax=True),
+    dataclasses.replace(FAST, conditional_rescale=True), C(64, 128, 2, conditional_rescale=True),
+    THREE_64, dataclasses.replace(THREE_64, num_stages=4), SUMMED,
+    C(64, 64, 3, overlap_softmax=True, tensor_core_row_sums=True),
+    FIXED, dataclasses.replace(FIXED, block_kv=64, num_stages=3),
 ]
 
 
@@ -272,14 +283,7 @@ def test_fixed_reference_overflow_is_recomputed(head_dim, config, rng):
 
 @gpu
 @SM90_ONLY
-@pytest.mark.parametrize("config", [
-    C(64, 128, 2), C(64, 64, 4), C(64, 192, 2), OVERLAP, FAST,
-    C(64, 128, 2, separate_output=True), C(64, 64, 3, overlap_softmax=True),
-    dataclasses.replace(FAST, conditional_rescale=True), C(64, 128, 2, conditional_rescale=True),
-    THREE_64, dataclasses.replace(THREE_64, num_stages=4), SUMMED,
-    C(64, 64, 3, overlap_softmax=True, tensor_core_row_sums=True),
-    FIXED, dataclasses.replace(FIXED, num_stages=3),
-], ids=_config_id)
+@pytest.mark.parametrize("config", CONFIGS_AT_D128, ids=_config_id)
 def test_configs(config, rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
   out, lse = _run(q, k, v, is_causal=True, config=config)
@@ -444,6 +448,16 @@ def test_unsupported_calls_give_a_reason(shapes, options, match):
 def test_supports_without_a_gpu_says_so():
   reason = supports(*_shapes())
   assert reason is not None and ("GPU" in reason)
+
+
+@pytest.mark.parametrize("head_dim,dtype,config",
+                         [(h, dtype, config) for _, _, _, _, _, h, dtype, _, config in CASES
+                          if config is not None]
+                         + [(128, BF16, config) for config in CONFIGS_AT_D128])
+def test_the_compiled_cases_configs_fit_sm90(head_dim, dtype, config):
+  """Every explicit config the compiled tests run is one `check_config` accepts on sm_90
+  (shared memory, registers, flags): the compiled tests then test the kernel, not a refusal."""
+  mosaic.config.check_config(config, head_dim, dtype, H200)
 
 
 def test_configs_fit_and_are_tuned_per_head_dim():
