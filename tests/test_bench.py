@@ -193,13 +193,28 @@ def test_shared_options_and_time_limit():
 
 @pytest.mark.parametrize("script", ["prefill", "decode", "generate", "generate_tp", "accuracy", "windowed",
                                     "paged_prefill", "train", "serve", "studies.profile_step",
-                                    "studies.power", "studies.decode_options", "studies.mosaic_sweep"])
+                                    "studies.power", "studies.decode_options", "studies.mosaic_sweep",
+                                    "studies.quantized_decode_tiles", "studies.backward_error_map"])
 def test_scripts_import_as_modules(script):
   """Every benchmark runs as `python -m bench.<script>`, without editing sys.path."""
   import sys
   before = list(sys.path)
   module = importlib.import_module(f"bench.{script}")
   assert callable(module.main) and sys.path == before
+
+
+def test_backward_error_map_smoke():
+  """The study's CPU run: the Triton backward's gradient rows, each error where it was found
+  (an index inside the [B, n, heads] grid) and ordered p50 <= p99 <= p99.9 <= max; the Mosaic
+  backward, which needs sm_90, loses its rows only."""
+  from bench.studies import backward_error_map
+  rows = backward_error_map.main(["--smoke"])
+  assert [(r["gradient"], r["provider"]) for r in rows] == [
+      (g, "triton_backward") for g in ("dq", "dk", "dv")]
+  for r in rows:
+    assert 0 < r["p50"] <= r["p99"] <= r["p999"] <= r["max"] < 0.05, r
+    b, t, h = r["at"]
+    assert 0 <= b < 1 and 0 <= t < 128 and 0 <= h < 2, r
 
 
 def test_mosaic_sweep_configs_parse_from_their_names():
