@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from bench import cli, index, readme_tables, report, suite, timing, trace
@@ -194,7 +195,8 @@ def test_shared_options_and_time_limit():
 @pytest.mark.parametrize("script", ["prefill", "decode", "generate", "generate_tp", "accuracy", "windowed",
                                     "paged_prefill", "train", "serve", "studies.profile_step",
                                     "studies.power", "studies.decode_options", "studies.mosaic_sweep",
-                                    "studies.quantized_decode_tiles", "studies.backward_error_map"])
+                                    "studies.quantized_decode_tiles", "studies.backward_error_map",
+                                    "studies.prefill_ab"])
 def test_scripts_import_as_modules(script):
   """Every benchmark runs as `python -m bench.<script>`, without editing sys.path."""
   import sys
@@ -215,6 +217,22 @@ def test_backward_error_map_smoke():
     assert 0 < r["p50"] <= r["p99"] <= r["p999"] <= r["max"] < 0.05, r
     b, t, h = r["at"]
     assert 0 <= b < 1 and 0 <= t < 128 and 0 <= h < 2, r
+
+
+def test_prefill_ab_imports_a_commit_beside_the_tree():
+  """The A/B study's CPU run: jaxflash at HEAD imported as a package of its own, timed beside
+  the working tree's in one process, the same function (equal outputs on one input)."""
+  import jaxflash
+  from bench.studies import prefill_ab
+  at_head = prefill_ab.package_at("HEAD")
+  assert at_head.__name__ == "jaxflash_at_HEAD" and at_head is not jaxflash
+  assert at_head.prefill_attention.__module__.startswith("jaxflash_at_HEAD")
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 4, 64)), jnp.bfloat16)
+  k, v = q[:, :, :2], q[:, :, 2:]
+  np.testing.assert_array_equal(np.asarray(at_head.prefill_attention(q, k, v, is_causal=True), np.float32),
+                                np.asarray(jaxflash.prefill_attention(q, k, v, is_causal=True), np.float32))
+  rows = prefill_ab.main(["--smoke"])
+  assert rows and rows[0]["tree_over_rev"] > 0 and rows[0]["HEAD_us"] > 0
 
 
 def test_mosaic_sweep_configs_parse_from_their_names():
