@@ -50,7 +50,13 @@ CASES = {
 
 
 def _case_inputs(rng, case):
-  num_pages, page, max_pages, heads, kv_heads, head_dim, dtype, t, q_lengths, kv_lengths, kind, _ = CASES[case]
+  return paged_case_inputs(rng, CASES[case])
+
+
+def paged_case_inputs(rng, spec):
+  """A case tuple as CASES holds them -> (q, k_pages, v_pages, key lengths, table with garbage
+  past each sequence's pages, the same table cleaned for the reference, query lengths)."""
+  num_pages, page, max_pages, heads, kv_heads, head_dim, dtype, t, q_lengths, kv_lengths, kind, _ = spec
   batch = len(kv_lengths)
   q = random_array(rng, (batch, t, heads, head_dim), dtype)
   k_pages = random_array(rng, (num_pages, page, kv_heads, head_dim), dtype)

@@ -6,8 +6,9 @@ whether it can serve a call (None) or why not (a string), for the dispatch in
 gives the import error as its reason.
 
 config.py: the tiles, modes and tuned table; pipeline.py: tile scheduler, K/V ring and the
-consumers' turns; softmax.py: the online softmax; mask.py: which keys a row sees;
-forward.py: the forward kernel.
+consumers' turns; tiles.py: where a key block's tiles come from (caches or page pools);
+softmax.py: the online softmax; mask.py: which keys a row sees; forward.py: the forward
+kernel; backward.py: the backward kernels; segments.py: packed documents.
 """
 from jaxflash.mosaic.config import MosaicPrefillConfig, mosaic_prefill_config, supports
 from jaxflash.mosaic.forward import prefill_attention

@@ -26,6 +26,8 @@ built the way FlashAttention-3 (Shah et al., 2024, arXiv 2407.08608) builds it f
   the key blocks every row sees whole run unmasked, the blocks that straddle the diagonal, a
   window edge or the end of the valid keys run masked (jaxflash.mosaic.mask), and the blocks
   outside are never loaded, so a window w costs O(n w).
+* Caches or page pools (mosaic.tiles): with a block table the producer copies each key
+  block's tiles from the pool's pages in place, one TMA copy per page it spans.
 * Persistent CTAs (pipeline.TileScheduler): one CTA per SM walks the query tiles, and the
   producer's K/V ring runs on from one tile into the next, so a tile's first loads overlap
   the last one's final steps and store.
@@ -40,6 +42,7 @@ Measured on the H200: bench/PERFORMANCE.md ("Prefill on Hopper").
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -56,6 +59,7 @@ from jaxflash.mosaic.mask import KeyMask, iota
 from jaxflash.mosaic.pipeline import KeyBlocks, KVRing, TileScheduler, TurnOrder
 from jaxflash.mosaic.segments import Segments, block_ranges, check_segment_ids, pad_ids
 from jaxflash.mosaic.softmax import OnlineSoftmax, rows_bcast
+from jaxflash.mosaic.tiles import KeyTiles
 from jaxflash.score_mods import ScoreMods
 
 
@@ -346,6 +350,10 @@ def _forward_kernel(
     retry_ref=None,  # [B * N * num_q_tiles] int32 GMEM, the second pass only: tiles to redo
     segment_refs=None,  # packed documents: ([B, T_pad], [B, S_pad], [B, T_pad // block_q, 4])
                         # int32 GMEM, segment ids of queries and keys and their block ranges
+    table_ref=None,  # [B, max_pages] int32 GMEM: a page pool's block table (k_ref, v_ref are
+                     # then the pool's rows [P * page, K, H]; mosaic.tiles)
+    page_size: int = 0,
+    num_pages: int = 0,
     qk_scale: float,
     mods: ScoreMods,
     block_q: int,
@@ -372,6 +380,7 @@ def _forward_kernel(
   blocks = KeyBlocks(q_len_ref, kv_len_ref, mods, block_q, block_kv, seq_q, seq_kv, num_consumers,
                      segments)
   ring = KVRing(k_smem, v_smem, k_ready, v_ready, k_free, v_free, num_stages, tensor_core_row_sums)
+  tiles = KeyTiles(k_ref, v_ref, block_kv, tensor_core_row_sums, table_ref, page_size, num_pages)
 
   def item_blocks(round_):
     """The key blocks this CTA loads for its item in `round_`: how many, and from which.
@@ -409,11 +418,7 @@ def _forward_kernel(
 
       @pl.loop(0, count)
       def _(j):
-        load, slot = loads + j, ring.slot(loads + j)
-        keys = pl.ds((cta_lo + j) * block_kv, block_kv)
-        rows = (batch, keys, kv_head)
-        v_rows = (batch, kv_head, slice(None), keys) if tensor_core_row_sums else rows
-        ring.load(load, slot, k_ref.at[rows], v_ref.at[v_rows])
+        ring.load(loads + j, ring.slot(loads + j), tiles.copies(batch, kv_head, cta_lo + j))
 
       return loads + count
 
@@ -425,7 +430,7 @@ def _forward_kernel(
                               "interpret"))
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
                       scale=None, is_causal=False, local_window_size=None, segment_ids=None,
-                      kv_segment_ids=None, return_residual=False,
+                      kv_segment_ids=None, block_table=None, return_residual=False,
                       config: MosaicPrefillConfig | None = None, interpret: bool | None = None):
   """FlashAttention-3 style forward pass on sm_90 (Pallas Mosaic GPU).
 
@@ -443,16 +448,30 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   `return_residual` the natural-log LSE [B, T, N] float32 too: the same function as
   `jaxflash.prefill_attention`.
 
+  block_table [B, max_pages] int32 (optional): key and value are then page pools
+  [num_pages, page_size, K, H] (page_size a power of two from 8), logical page j of sequence
+  b at pool page block_table[b, j], S = max_pages * page_size, and key_value_seq_lengths is
+  required: the same function as `jaxflash.paged_prefill_attention`, the tiles copied from
+  the pages in place (mosaic.tiles). Values in the pool past a sequence's keys must be
+  finite: the contiguous path zeroes them, a pool is not written (their probabilities are
+  zero, but 0 * NaN is NaN). Not with segment ids.
+
   config: a MosaicPrefillConfig (default: the tuned `mosaic_prefill_config(H, dtype,
     num_keys=S)`).
   interpret: Mosaic GPU's interpret mode (default: when there is no GPU). It cannot run
     this kernel yet (`jaxflash._mosaic.INTERPRET_GAPS`), so True, or no GPU, raises
     NotImplementedError; the Pallas-Triton `jaxflash.prefill_attention` runs anywhere.
   """
-  _checks.check_qkv(query, key, value)
-  _checks.check_same_batch(query, key)
   batch, seq_q, num_heads, head_dim = query.shape
-  seq_kv, num_kv_heads = key.shape[1], key.shape[2]
+  paged = block_table is not None
+  names = dict(key_name="k_pages", value_name="v_pages") if paged else {}
+  _checks.check_qkv(query, key, value, **names)
+  num_kv_heads = key.shape[2]
+  if paged:
+    block_table, seq_kv = _check_pages(key, block_table, key_value_seq_lengths, segment_ids, batch)
+  else:
+    _checks.check_same_batch(query, key)
+    seq_kv = key.shape[1]
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   q_ids, kv_ids = check_segment_ids(segment_ids, kv_segment_ids, batch, seq_q, seq_kv)
@@ -462,8 +481,13 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   info = device_info()
   if config is None:
     config = mosaic_prefill_config(head_dim, query.dtype, info, num_keys=seq_kv)
+    if paged:  # a pool has no V^T with rows of ones
+      config = dataclasses.replace(config, tensor_core_row_sums=False)
   else:
     check_config(config, head_dim, query.dtype, info)
+    if paged and config.tensor_core_row_sums:
+      raise ValueError("config.tensor_core_row_sums needs V^T with rows of ones, which a page "
+                       "pool (block_table) does not have")
 
   if 0 in (batch, seq_q, num_heads) or seq_kv == 0:
     out = jnp.zeros(query.shape, query.dtype)
@@ -475,11 +499,16 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   q_rows = num_consumers * block_q
   seq_q_pad, seq_kv_pad = round_up(seq_q, q_rows), round_up(seq_kv, block_kv)
   q = query if seq_q_pad == seq_q else jnp.pad(query, ((0, 0), (0, seq_q_pad - seq_q), (0, 0), (0, 0)))
-  kv_pad = ((0, 0), (0, seq_kv_pad - seq_kv), (0, 0), (0, 0))
-  k = key if seq_kv_pad == seq_kv else jnp.pad(key, kv_pad)
-  v = value if seq_kv_pad == seq_kv else jnp.pad(value, kv_pad)
   q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else q_lengths
-  if kv_lengths is not None:
+  num_pages, page_size = key.shape[:2] if paged else (0, 0)
+  if paged:
+    # [P, page, K, H] -> rows [P * page, K, H]: a bitcast, the pool is read in place.
+    k, v = (x.reshape(num_pages * page_size, num_kv_heads, head_dim) for x in (key, value))
+  else:
+    kv_pad = ((0, 0), (0, seq_kv_pad - seq_kv), (0, 0), (0, 0))
+    k = key if seq_kv_pad == seq_kv else jnp.pad(key, kv_pad)
+    v = value if seq_kv_pad == seq_kv else jnp.pad(value, kv_pad)
+  if kv_lengths is not None and not paged:
     # TMA copies whole tiles: values past a sequence's keys reach the tensor cores as they
     # are. Their probabilities are exact zeros, but 0 * NaN is NaN, so they are zeroed here
     # (one pass over V, only when lengths are given). Keys need nothing: their scores are
@@ -488,10 +517,16 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
   num_q_tiles = seq_q_pad // q_rows
   num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
-  segment_arrays = ()
+  # Inputs after value's, and the kernel's keywords for their refs: segment ids, or a table.
+  extra_arrays, extra_refs = (), lambda refs: {}
   if q_ids is not None:
     q_ids, kv_ids = pad_ids(q_ids, seq_q_pad), pad_ids(kv_ids, seq_kv_pad)
-    segment_arrays = (q_ids, kv_ids, block_ranges(q_ids, kv_ids, block_q, block_kv))
+    extra_arrays = (q_ids, kv_ids, block_ranges(q_ids, kv_ids, block_q, block_kv))
+    extra_refs = lambda refs: dict(segment_refs=tuple(refs))
+  elif paged:
+    extra_arrays, extra_refs = (block_table,), lambda refs: dict(table_ref=refs[0])
+  # Pages smaller than a key block take block_kv / page copies, each one arrival.
+  copies_per_block = block_kv // page_size if paged and page_size < block_kv else 1
   if _mosaic.interpret_params(interpret) is not None:
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
 
@@ -505,8 +540,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       plgpu.SMEM((num_stages, head_dim + ROW_SUM_COLUMNS, block_kv) if config.tensor_core_row_sums
                  else (num_stages, block_kv, head_dim), value.dtype, **swizzled),
       plgpu.SMEM((num_consumers, block_q), jnp.float32),
-      plgpu.Barrier(num_barriers=num_stages),
-      plgpu.Barrier(num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=num_stages),
       plgpu.Barrier(num_barriers=num_consumers),
       plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
@@ -526,10 +561,10 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       unsafe_no_auto_barriers=True)
   # The fixed reference needs every row to have seen a key before its first whole block;
   # with a window's left edge or documents a row may not have, so these keep the running max.
-  fixed_reference = config.fixed_reference and mods.left is None and not segment_arrays
+  fixed_reference = config.fixed_reference and mods.left is None and q_ids is None
 
   @jax.custom_batching.custom_vmap
-  def run_kernels(q_len, kv_len, q, k, v, *segment_arrays):
+  def run_kernels(q_len, kv_len, q, k, v, *extra_arrays):
     """The kernel on [B, ...] operands, and with the fixed reference its second pass."""
     batch = q.shape[0]
     num_items = num_heads * batch * num_q_tiles
@@ -542,17 +577,16 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
         group=num_heads // num_kv_heads, overlap_softmax=config.overlap_softmax,
         separate_output=config.separate_output,
         conditional_rescale=config.conditional_rescale, num_consumers=num_consumers,
-        tensor_core_row_sums=config.tensor_core_row_sums, fixed_reference=fixed_reference)
+        tensor_core_row_sums=config.tensor_core_row_sums, fixed_reference=fixed_reference,
+        page_size=page_size, num_pages=num_pages)
     kernel.__name__ = "mosaic_prefill"  # the name profiles show
     out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
     mesh = dict(grid=(num_ctas,), grid_names=("cta",), num_threads=num_consumers + 1,
                 thread_name="wg")
-    if segment_arrays:
-      kernel = _with_segment_refs(kernel)
-    out, lse = plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch,
-                            compiler_params=compiler_params, **mesh)(q_len, kv_len, q, k, v,
-                                                                     *segment_arrays)
+    out, lse = plgpu.kernel(_with_extra_refs(kernel, len(extra_arrays), extra_refs),
+                            out_type=out_type, scratch_types=scratch, compiler_params=compiler_params,
+                            **mesh)(q_len, kv_len, q, k, v, *extra_arrays)
     if not fixed_reference:
       return out, lse
     # Second pass: the tiles with a row whose fixed reference overflowed (NaN LSE), and
@@ -562,10 +596,12 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     retry = overflowed.reshape(batch, num_heads, num_q_tiles, q_rows).any(axis=-1)
     retry = retry.astype(jnp.int32).reshape(-1)  # [B * N * tiles]
 
-    def recompute(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, retry_ref, o_ref, lse_ref):
+    def recompute(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, retry_ref, *refs):
+      *extra, o_ref, lse_ref = refs
       pl.run_scoped(
           lambda *scratch_refs: kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-                                       *scratch_refs, retry_ref=retry_ref, fixed_reference=False),
+                                       *scratch_refs, retry_ref=retry_ref, fixed_reference=False,
+                                       **extra_refs(extra)),
           *scratch, collective_axes="wg")
 
     def second_pass(refs):
@@ -573,7 +609,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       # first pass's buffers in place.
       o_ref, lse_ref = refs
       pl.kernel(recompute, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=compiler_params,
-                name="mosaic_prefill_recompute")(q_len, kv_len, q, k, v, retry, o_ref, lse_ref)
+                name="mosaic_prefill_recompute")(q_len, kv_len, q, k, v, retry, *extra_arrays,
+                                                 o_ref, lse_ref)
 
     return pl.run_state(second_pass)((out, lse))
 
@@ -586,7 +623,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
     return (unfold(out), unfold(lse)), (True, True)
 
-  out, lse = run_kernels(q_len, kv_len, q, k, v, *segment_arrays)
+  out, lse = run_kernels(q_len, kv_len, q, k, v, *extra_arrays)
 
   out = out[:, :seq_q]
   if not return_residual:
@@ -612,13 +649,26 @@ def _check_inputs(query, key, value) -> None:
                      f"got query {tuple(query.shape)}")
 
 
-def _with_segment_refs(kernel):
-  """The kernel with the segment ids' three refs among its inputs (after value's)."""
-  def with_segments(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, ranges_ref,
-                    o_ref, lse_ref, *scratch_refs):
+def _with_extra_refs(kernel, count: int, to_keywords):
+  """The kernel with `count` more input refs after value's (segment ids, or a block table),
+  passed on as the keywords `to_keywords(refs)` names."""
+  def with_refs(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, *refs):
+    extra, (o_ref, lse_ref, *scratch_refs) = refs[:count], refs[count:]
     kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs,
-           segment_refs=(q_ids_ref, kv_ids_ref, ranges_ref))
+           **to_keywords(extra))
 
-  with_segments.__name__ = kernel.__name__
-  return with_segments
+  with_refs.__name__ = kernel.__name__
+  return with_refs
+
+
+def _check_pages(k_pages, block_table, kv_lengths, segment_ids, batch: int):
+  """A page pool's checks: (the int32 table [B, max_pages], its capacity in keys)."""
+  if segment_ids is not None:
+    raise NotImplementedError("segment_ids with a block_table: the Mosaic prefill reads packed "
+                              "documents from contiguous caches only")
+  _checks.check_page_size(k_pages.shape[1])
+  block_table = _checks.check_block_table(block_table, batch)
+  if kv_lengths is None:
+    raise ValueError("block_table needs key_value_seq_lengths [B]: the keys per sequence")
+  return block_table, block_table.shape[1] * k_pages.shape[1]
 

@@ -140,13 +140,20 @@ class KVRing:
     """PV's right operand [block_kv, H] (or [block_kv, H + 8] from V^T) in `slot`."""
     return self.v_smem.at[slot].T if self.v_transposed else self.v_smem.at[slot]
 
-  def load(self, load, slot, k_src, v_src):
+  def load(self, load, slot, copies):
     """Producer: the `load`-th block's K and V into its slot, once the consumers have freed
-    it (the first num_stages loads find it empty)."""
+    it (the first num_stages loads find it empty). copies: [(rows of the slot or None for
+    all, K source, V source)] (mosaic.tiles.KeyTiles); the "ready" barriers expect one
+    arrival per copy."""
+    def into(smem, rows):
+      return smem.at[slot] if rows is None else smem.at[slot, rows]
+
     pl.when(load >= self.num_stages)(lambda: plgpu.barrier_wait(self.k_free.at[slot]))
-    plgpu.copy_gmem_to_smem(k_src, self.k_smem.at[slot], self.k_ready.at[slot])
+    for rows, k_src, _ in copies:
+      plgpu.copy_gmem_to_smem(k_src, into(self.k_smem, rows), self.k_ready.at[slot])
     pl.when(load >= self.num_stages)(lambda: plgpu.barrier_wait(self.v_free.at[slot]))
-    plgpu.copy_gmem_to_smem(v_src, self.v_smem.at[slot], self.v_ready.at[slot])
+    for rows, _, v_src in copies:
+      plgpu.copy_gmem_to_smem(v_src, into(self.v_smem, rows), self.v_ready.at[slot])
 
   def skip(self, slot):
     """Consumer: a block this consumer does not need, waited for and released (the barriers'
