@@ -5,7 +5,9 @@ bottom-right): batch 1 with n = 4096 ... 32768 keys, for a whole prompt (T = n n
 and for one chunk of chunked prefill (the last T = 512 tokens over n keys). The contiguous
 kernel (jaxflash.prefill.prefill_attention) reads [1, n, K, H] caches; the paged one
 (jaxflash.paged_prefill_attention) reads the same keys scattered over a pool of 16- or
-64-token pages through a random block table. Both run in one profiler session per row.
+64-token pages through a random block table. On sm_90 the Mosaic prefill joins, over the
+cache and over the same pools (jaxflash.mosaic.prefill_attention(block_table=)), its paged
+time given over its contiguous time. All run in one profiler session per row.
 TFLOP/s count 4 d per visible (query, key) pair and head.
 
   python -m bench.paged_prefill [--quick] [--out DIR]     # GPU, ~1-2 min on an H200
@@ -34,6 +36,7 @@ def causal_pairs(t: int, n: int) -> int:
 
 
 def bench_row(n: int, t: int, page_sizes, ceiling):
+  from jaxflash import mosaic
   from jaxflash.paged_prefill import paged_prefill_attention
   from jaxflash.prefill import prefill_attention
 
@@ -47,15 +50,25 @@ def bench_row(n: int, t: int, page_sizes, ceiling):
   kv_len = jnp.asarray([n], jnp.int32)
   cases = {"contiguous": (lambda q, k, v, ql, kl: prefill_attention(q, k, v, ql, kl, is_causal=True),
                           (q, k, v, q_len, kv_len))}
+  # On sm_90 the Mosaic prefill too, over the cache and over the same pools.
+  with_mosaic = mosaic.supports(q, k, v, q_len, kv_len, is_causal=True) is None
+  if with_mosaic:
+    cases["mosaic"] = (lambda q, k, v, ql, kl: mosaic.prefill_attention(q, k, v, ql, kl, is_causal=True),
+                       (q, k, v, q_len, kv_len))
   for page in page_sizes:
     pages = n // page
     table = rng.permutation(pages)  # logical page j -> a random pool page
     pool = np.zeros((pages, page, NUM_KV_HEADS, HEAD_DIM), np.float32)
     k_pool = jnp.asarray(pool, DTYPE).at[table].set(k[0].reshape(pages, page, NUM_KV_HEADS, HEAD_DIM))
     v_pool = jnp.asarray(pool, DTYPE).at[table].set(v[0].reshape(pages, page, NUM_KV_HEADS, HEAD_DIM))
+    paged_args = (q, k_pool, v_pool, kv_len, jnp.asarray(table[None], jnp.int32), q_len)
     cases[f"paged{page}"] = (
         lambda q, kp, vp, kl, tb, ql: paged_prefill_attention(q, kp, vp, kl, tb, ql, is_causal=True),
-        (q, k_pool, v_pool, kv_len, jnp.asarray(table[None], jnp.int32), q_len))
+        paged_args)
+    if with_mosaic:
+      cases[f"mosaic_paged{page}"] = (
+          lambda q, kp, vp, kl, tb, ql: mosaic.prefill_attention(q, kp, vp, ql, kl, is_causal=True,
+                                                                 block_table=tb), paged_args)
   timings = timing.device_times_us(cases, keep_output=True, log=log)
   flops = 4 * causal_pairs(t, n) * HEAD_DIM * NUM_HEADS
   row = {"n": n, "t": t, "errors": {}}
@@ -72,6 +85,8 @@ def bench_row(n: int, t: int, page_sizes, ceiling):
       row[f"{name}_max_diff"] = float(jnp.max(jnp.abs(measured.output.astype(jnp.float32)
                                                       - reference.astype(jnp.float32))))
       row[f"{name}_over_contiguous"] = measured.us / row["contiguous_us"] if "contiguous_us" in row else None
+    if name.startswith("mosaic_paged") and "mosaic_us" in row:
+      row[f"{name}_over_mosaic"] = measured.us / row["mosaic_us"]
   return row
 
 
@@ -83,6 +98,10 @@ def columns(page_sizes):
     cols += [(f"paged{page}_us", f"paged {page} us"),
              (f"paged{page}_over_contiguous", f"paged {page} / contiguous", "{:.3f}"),
              (f"paged{page}_max_diff", f"paged {page} max |diff|")]
+  cols.append(("mosaic_us", "Mosaic contiguous us"))
+  for page in page_sizes:
+    cols += [(f"mosaic_paged{page}_over_mosaic", f"Mosaic paged {page} / Mosaic contiguous", "{:.3f}"),
+             (f"mosaic_paged{page}_max_diff", f"Mosaic paged {page} max |diff|")]
   return cols
 
 
