@@ -124,10 +124,8 @@ def test_bad_page_arguments_are_refused(change, error, match):
 
 
 def test_copies_per_block_follow_the_page_size():
-  from jaxflash.mosaic.tiles import KeyTiles
-  table = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-  counts = {page: KeyTiles(None, None, 128, False, table, page, 4).copies_per_block
-            for page in (8, 16, 64, 128, 256)}
-  assert counts == {8: 16, 16: 8, 64: 2, 128: 1, 256: 1}
-  assert KeyTiles(None, None, 128).copies_per_block == 1  # a contiguous cache
-  assert KeyTiles(None, None, 64, False, table, 16, 4).copies_per_block == 4
+  from jaxflash.mosaic.tiles import copies_per_block
+  assert {page: copies_per_block(128, page) for page in (8, 16, 64, 128, 256)} == {
+      8: 16, 16: 8, 64: 2, 128: 1, 256: 1}
+  assert copies_per_block(128, 0) == 1  # a contiguous cache
+  assert copies_per_block(64, 16) == 4

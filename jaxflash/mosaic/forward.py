@@ -59,7 +59,7 @@ from jaxflash.mosaic.mask import KeyMask, iota
 from jaxflash.mosaic.pipeline import KeyBlocks, KVRing, TileScheduler, TurnOrder
 from jaxflash.mosaic.segments import Segments, block_ranges, check_segment_ids, pad_ids
 from jaxflash.mosaic.softmax import OnlineSoftmax, rows_bcast
-from jaxflash.mosaic.tiles import KeyTiles
+from jaxflash.mosaic.tiles import KeyTiles, copies_per_block
 from jaxflash.score_mods import ScoreMods
 
 
@@ -508,12 +508,12 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     kv_pad = ((0, 0), (0, seq_kv_pad - seq_kv), (0, 0), (0, 0))
     k = key if seq_kv_pad == seq_kv else jnp.pad(key, kv_pad)
     v = value if seq_kv_pad == seq_kv else jnp.pad(value, kv_pad)
-  if kv_lengths is not None and not paged:
-    # TMA copies whole tiles: values past a sequence's keys reach the tensor cores as they
-    # are. Their probabilities are exact zeros, but 0 * NaN is NaN, so they are zeroed here
-    # (one pass over V, only when lengths are given). Keys need nothing: their scores are
-    # replaced by -inf, whatever they were.
-    v = jnp.where((jnp.arange(seq_kv_pad)[None, :] < kv_lengths[:, None])[:, :, None, None], v, 0)
+    if kv_lengths is not None:
+      # TMA copies whole tiles: values past a sequence's keys reach the tensor cores as they
+      # are. Their probabilities are exact zeros, but 0 * NaN is NaN, so they are zeroed here
+      # (one pass over V, only when lengths are given). Keys need nothing: their scores are
+      # replaced by -inf, whatever they were.
+      v = jnp.where((jnp.arange(seq_kv_pad)[None, :] < kv_lengths[:, None])[:, :, None, None], v, 0)
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
   num_q_tiles = seq_q_pad // q_rows
   num_stages = min(config.num_stages, seq_kv_pad // block_kv)  # no deeper ring than keys
@@ -525,8 +525,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     extra_refs = lambda refs: dict(segment_refs=tuple(refs))
   elif paged:
     extra_arrays, extra_refs = (block_table,), lambda refs: dict(table_ref=refs[0])
-  # Pages smaller than a key block take block_kv / page copies, each one arrival.
-  copies_per_block = block_kv // page_size if paged and page_size < block_kv else 1
+  copies = copies_per_block(block_kv, page_size)  # the "ready" barriers' arrivals
   if _mosaic.interpret_params(interpret) is not None:
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
 
@@ -540,8 +539,8 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       plgpu.SMEM((num_stages, head_dim + ROW_SUM_COLUMNS, block_kv) if config.tensor_core_row_sums
                  else (num_stages, block_kv, head_dim), value.dtype, **swizzled),
       plgpu.SMEM((num_consumers, block_q), jnp.float32),
-      plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=num_stages),
-      plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
       plgpu.Barrier(num_barriers=num_consumers),
       plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),

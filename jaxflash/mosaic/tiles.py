@@ -23,6 +23,12 @@ from jax import lax
 from jaxflash._mosaic import pl
 
 
+def copies_per_block(block_kv: int, page_size: int) -> int:
+  """TMA copies a key block takes, per tensor (the arrivals its "ready" barrier expects):
+  page_size 0 for a contiguous cache."""
+  return block_kv // page_size if 0 < page_size < block_kv else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class KeyTiles:
   k_ref: object  # [B, S_pad, K, H] GMEM, or a pool's rows [P * page, K, H]
@@ -32,13 +38,6 @@ class KeyTiles:
   table_ref: object = None  # [B, max_pages] int32 GMEM (a pool), or None (caches)
   page_size: int = 0
   num_pages: int = 0
-
-  @property
-  def copies_per_block(self) -> int:
-    """TMA copies a block takes, per tensor: the arrivals its "ready" barrier expects."""
-    if self.table_ref is None or self.page_size >= self.block_kv:
-      return 1
-    return self.block_kv // self.page_size
 
   def copies(self, batch, kv_head, block):
     """[(rows of the slot or None for all, K source, V source)] for key block `block`."""
@@ -59,7 +58,7 @@ class KeyTiles:
       rows = pl.ds(pool_row(first_page) + (first_key & (self.page_size - 1)), self.block_kv)
       return [(None, self.k_ref.at[rows, kv_head], self.v_ref.at[rows, kv_head])]
     copies = []
-    for i in range(self.copies_per_block):
+    for i in range(copies_per_block(self.block_kv, self.page_size)):
       rows = pl.ds(pool_row(first_page + i), self.page_size)
       copies.append((pl.ds(i * self.page_size, self.page_size),
                      self.k_ref.at[rows, kv_head], self.v_ref.at[rows, kv_head]))
