@@ -110,11 +110,12 @@ def test_kernel_lowers_for_every_page_size(page, head_dim, config, window, monke
     (dict(config=C(64, 128, 2, overlap_softmax=True, tensor_core_row_sums=True)), ValueError,
      "tensor_core_row_sums"),
     (dict(table_shape=(3, 4)), ValueError, "block_table"),
+    (dict(num_pages=0), ValueError, "at least one page"),
 ])
 def test_bad_page_arguments_are_refused(change, error, match):
   page = change.get("page", 16)
   q = jnp.zeros((2, 32, 4, 128), BF16)
-  pool = jnp.zeros((8, page, 2, 128), BF16)
+  pool = jnp.zeros((change.get("num_pages", 8), page, 2, 128), BF16)
   table = jnp.zeros(change.get("table_shape", (2, 4)), jnp.int32)
   kv_lengths = change.get("kv_lengths", jnp.array([32, 32], jnp.int32))
   ids = jnp.zeros((2, 32), jnp.int32) if change.get("segment_ids") else None
