@@ -150,11 +150,13 @@ def test_decode_matches_dequantized_reference(case, interpret, rng):
 
 def test_long_context_accuracy(rng, capsys):
   """At 3000 tokens the quantized decode stays close to the float cache's exact answer (the
-  accumulation is float32 throughout): relative error (Frobenius norm, over every head) below
-  3e-2 for int8 and 1.5e-1 for FP8 against float64 on the unquantized cache, about twice the
-  largest over eight seeds (int8 ~1.5e-2, e4m3 ~7.7e-2: int8 steps are 1/254 of a row's
-  range, e4m3's up to 1/16 of a value). The errors measured are printed."""
-  batch, capacity, heads, kv_heads, head_dim = 1, 3001, 5, 1, 64
+  accumulation is float32 throughout): relative error (Frobenius norm, over 64 query rows)
+  below 3e-2 for int8 and 1.5e-1 for FP8 against float64 on the unquantized cache. Over 1000
+  seeds of these shapes the largest errors were 2.0e-2 (int8) and 9.4e-2 (e4m3; medians 1.3e-2
+  and 6.0e-2): int8 steps are 1/254 of a row's range, e4m3's up to 1/16 of a value, and a peaked
+  softmax leans on few keys, so the error of a few rows has a long tail, which the 64 rows
+  average down. The errors measured are printed."""
+  batch, capacity, heads, kv_heads, head_dim = 4, 3001, 8, 2, 64
   q = random_array(rng, (batch, 1, heads, head_dim), FP32, 2.0)  # peaked softmax: few keys dominate
   k = random_array(rng, (batch, capacity, kv_heads, head_dim), FP32)
   v = random_array(rng, (batch, capacity, kv_heads, head_dim), FP32)
