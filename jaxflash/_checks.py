@@ -132,6 +132,20 @@ def check_page_size(page_size: int) -> None:
     raise ValueError(f"page size must be a power of two >= 8, got pages of {page_size} tokens")
 
 
+def check_pages(k_pages, block_table, kv_lengths, batch: int, *, caller: str):
+  """The checks every reader of a page pool k_pages [P, page, K, H] shares: its page size, at
+  least one page, the table [batch, max_pages], and the lengths (a pool does not hold them).
+  Returns (the int32 table, the keys a sequence can have: max_pages * page)."""
+  check_page_size(k_pages.shape[1])
+  if k_pages.shape[0] == 0:
+    raise ValueError(f"the pool needs at least one page, got k_pages {tuple(k_pages.shape)}")
+  block_table = check_block_table(block_table, batch)
+  if kv_lengths is None:
+    raise ValueError(f"{caller} needs key_value_seq_lengths [B] with a block_table: the keys per "
+                     f"sequence, the new tokens included")
+  return block_table, block_table.shape[1] * k_pages.shape[1]
+
+
 def default_scale(scale, head_dim: int):
   """The softmax scale: H ** -0.5 by default; a traced scale stays traced."""
   if scale is None:

@@ -512,11 +512,7 @@ def _checked_keys(query, key, block_table, kv_lengths):
   if block_table is None:
     _checks.check_same_batch(query, key)
     return None, key.shape[1]
-  block_table = _checks.check_block_table(block_table, query.shape[0])
-  _checks.check_page_size(key.shape[1])
-  if kv_lengths is None:
-    raise ValueError("block_table needs key_value_seq_lengths: the valid tokens per sequence")
-  return block_table, block_table.shape[1] * key.shape[1]
+  return _checks.check_pages(key, block_table, kv_lengths, query.shape[0], caller="attention")
 
 
 def _paged_prefill_kernel(mods: ScoreMods):

@@ -162,17 +162,11 @@ def _paged_decode_attention(query, k_pages, v_pages, key_value_seq_lengths, bloc
   quantized = check_scales(k_pages, v_pages, k_scale, v_scale, key_name="k_pages", value_name="v_pages")
   _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages", quantized=quantized)
   num_pages, page_size, kv_heads, head_dim = k_pages.shape
-  _checks.check_page_size(page_size)
   batch = query.shape[0]
-  block_table = _checks.check_block_table(block_table, batch)
+  block_table, capacity = _checks.check_pages(k_pages, block_table, key_value_seq_lengths, batch,
+                                              caller="paged_decode_attention")
   check_decode_query(query, batch, "block_table")
-  if key_value_seq_lengths is None:
-    raise ValueError("paged_decode_attention needs key_value_seq_lengths [B]: the valid tokens "
-                     "per sequence")
   lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
-  if num_pages == 0:
-    raise ValueError(f"the pool needs at least one page, got k_pages {tuple(k_pages.shape)}")
-  capacity = block_table.shape[1] * page_size
   options = decode_options(query, capacity, bias=bias, mask=mask, traced_scale=traced_scale, scale=scale,
                            sinks=sinks, local_window_size=local_window_size,
                            logits_soft_cap=logits_soft_cap)

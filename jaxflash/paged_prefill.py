@@ -89,18 +89,11 @@ def _paged_prefill_attention(query, k_pages, v_pages, key_value_seq_lengths, blo
                              return_residual: bool, config: PrefillConfig | None, interpret: bool | None):
   quantized = check_scales(k_pages, v_pages, k_scale, v_scale, key_name="k_pages", value_name="v_pages")
   _checks.check_qkv(query, k_pages, v_pages, key_name="k_pages", value_name="v_pages", quantized=quantized)
-  num_pages, page_size = k_pages.shape[:2]
-  _checks.check_page_size(page_size)
-  block_table = _checks.check_block_table(block_table, query.shape[0])
-  if key_value_seq_lengths is None:
-    raise ValueError("paged_prefill_attention needs key_value_seq_lengths [B]: the keys per "
-                     "sequence, the new tokens included")
+  block_table, capacity = _checks.check_pages(k_pages, block_table, key_value_seq_lengths, query.shape[0],
+                                              caller="paged_prefill_attention")
   kv_lengths = _checks.check_lengths("key_value_seq_lengths", key_value_seq_lengths, query.shape[0])
   q_lengths = _checks.check_lengths("query_seq_lengths", query_seq_lengths, query.shape[0])
-  if num_pages == 0:
-    raise ValueError(f"the pool needs at least one page, got k_pages {tuple(k_pages.shape)}")
-  options = score_operands(query, block_table.shape[1] * page_size, bias=bias, mask=mask, sinks=sinks,
-                           scale=scale)
+  options = score_operands(query, capacity, bias=bias, mask=mask, sinks=sinks, scale=scale)
   compute_dtype = query.dtype if quantized else jnp.promote_types(query.dtype, k_pages.dtype)
   return prefill_forward(query, k_pages, v_pages, q_lengths, kv_lengths, **options, block_table=block_table,
                          k_scale=k_scale, v_scale=v_scale, mods=mods, return_residual=return_residual,

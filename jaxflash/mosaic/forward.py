@@ -665,11 +665,5 @@ def _check_pages(k_pages, block_table, kv_lengths, segment_ids, batch: int):
   if segment_ids is not None:
     raise NotImplementedError("segment_ids with a block_table: the Mosaic prefill reads packed "
                               "documents from contiguous caches only")
-  _checks.check_page_size(k_pages.shape[1])
-  if k_pages.shape[0] == 0:
-    raise ValueError(f"the pool needs at least one page, got k_pages {tuple(k_pages.shape)}")
-  block_table = _checks.check_block_table(block_table, batch)
-  if kv_lengths is None:
-    raise ValueError("block_table needs key_value_seq_lengths [B]: the keys per sequence")
-  return block_table, block_table.shape[1] * k_pages.shape[1]
+  return _checks.check_pages(k_pages, block_table, kv_lengths, batch, caller="mosaic.prefill_attention")
 
