@@ -196,7 +196,7 @@ def test_shared_options_and_time_limit():
                                     "paged_prefill", "train", "serve", "studies.profile_step",
                                     "studies.power", "studies.decode_options", "studies.mosaic_sweep",
                                     "studies.quantized_decode_tiles", "studies.backward_error_map",
-                                    "studies.prefill_ab"])
+                                    "studies.rounding_emulation", "studies.prefill_ab"])
 def test_scripts_import_as_modules(script):
   """Every benchmark runs as `python -m bench.<script>`, without editing sys.path."""
   import sys
@@ -217,6 +217,18 @@ def test_backward_error_map_smoke():
     assert 0 < r["p50"] <= r["p99"] <= r["p999"] <= r["max"] < 0.05, r
     b, t, h = r["at"]
     assert 0 <= b < 1 and 0 <= t < 128 and 0 <= h < 2, r
+
+
+def test_rounding_emulation_smoke():
+  """The emulation's CPU run: a row per forward policy, errors of bf16's size (a half step of
+  the output's and dQ's largest values, below 1e-2 relative), the Triton policy's dQ on its own
+  output equal to its dQ on the exact output within a factor 2."""
+  from bench.studies import rounding_emulation
+  rows = rounding_emulation.main(["--smoke"])
+  assert [r["policy"] for r in rows] == list(rounding_emulation.POLICIES)
+  for r in rows:
+    assert 0 < r["dq_rel"] < 1e-2 and 0 < r["dq_rel_exact_out"] < 1e-2 and 0 < r["out_abs"] < 5e-2, r
+  assert 0.5 < rows[0]["dq_rel"] / rows[0]["dq_rel_exact_out"] < 2.0, rows[0]
 
 
 def test_prefill_ab_imports_a_commit_beside_the_tree():
