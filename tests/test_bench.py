@@ -247,6 +247,19 @@ def test_prefill_ab_imports_a_commit_beside_the_tree():
   assert rows and rows[0]["tree_over_rev"] > 0 and rows[0]["HEAD_us"] > 0
 
 
+def test_prefill_ab_reads_a_commit_from_an_archive(tmp_path):
+  """Where the tree's copy has no history, the commit comes as a tar of `git archive`."""
+  import subprocess
+
+  from bench.studies import prefill_ab
+  tar = tmp_path / "at.tar"
+  tar.write_bytes(subprocess.run(["git", "-C", str(prefill_ab.ROOT), "archive", "HEAD", "jaxflash"],
+                                 check=True, capture_output=True).stdout)
+  package = prefill_ab.package_at("archived", tar)
+  assert package.__name__ == "jaxflash_at_archived"
+  assert package.prefill_attention.__module__.startswith("jaxflash_at_archived")
+
+
 def test_mosaic_sweep_configs_parse_from_their_names():
   """Every config the Mosaic sweep names is a valid MosaicPrefillConfig, its flags as named."""
   from bench.studies import mosaic_sweep

@@ -11,6 +11,8 @@ bench/prefill.py: Qwen2.5-1.5B attention (12 query / 2 KV heads, d = 128 unless 
 causal).
 
   python -m bench.studies.prefill_ab --rev 14320a5 [--sizes 2048,4096,16384] [--out DIR]   # GPU
+  git archive 14320a5 jaxflash > /tmp/at.tar   # where the run's copy of the tree has no history:
+  python -m bench.studies.prefill_ab --rev 14320a5 --archive /tmp/at.tar
   python -m bench.studies.prefill_ab --smoke                                                  # CPU
 """
 from __future__ import annotations
@@ -36,13 +38,17 @@ ROOT = Path(__file__).resolve().parents[2]
 NUM_HEADS, NUM_KV_HEADS = 12, 2
 
 
-def package_at(rev: str):
-  """jaxflash as it was at `rev`, imported as the package `jaxflash_at_<rev>`."""
+def package_at(rev: str, archive: Path | None = None):
+  """jaxflash as it was at `rev`, imported as the package `jaxflash_at_<rev>`: from `archive`
+  (a tar of `git archive <rev> jaxflash`) when given, else from this checkout's history."""
   name = f"jaxflash_at_{re.sub(r'[^0-9A-Za-z]', '_', rev)}"
   if name in sys.modules:
     return sys.modules[name]
-  archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "jaxflash"], check=True,
-                           capture_output=True).stdout
+  if archive is None:
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "jaxflash"], check=True,
+                             capture_output=True).stdout
+  else:
+    archive = Path(archive).read_bytes()
   folder = Path(tempfile.mkdtemp(prefix="jaxflash_ab_"))
   with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
     tar.extractall(folder, filter="data")
@@ -82,6 +88,8 @@ def main(argv=None):
   p.add_argument("--rev", default="HEAD", help="the earlier commit (any git revision)")
   p.add_argument("--sizes", default="2048,4096,8192,16384", help="batch-1 lengths, then 4 x 4096")
   p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--archive", type=Path, default=None,
+                 help="a tar of `git archive REV jaxflash`, for a copy of the tree without its history")
   args = p.parse_args(argv)
   args.quick = False
   limit = TimeLimit(args.time_limit_s)
@@ -90,7 +98,7 @@ def main(argv=None):
   if not args.smoke and args.out is None:
     out_dir = STUDIES_DIR
   import jaxflash
-  packages = {args.rev: package_at(args.rev), "tree": jaxflash}
+  packages = {args.rev: package_at(args.rev, args.archive), "tree": jaxflash}
   meta["title"] = f"Prefill at {args.rev} against the working tree, one process"
   shapes = ([(1, 64)] if args.smoke else
             [(1, int(n)) for n in args.sizes.split(",")] + [(4, 4096)])
