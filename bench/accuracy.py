@@ -23,6 +23,7 @@ offset; a very negative first key block; ragged lengths; sliding windows; packed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -161,68 +162,87 @@ def query_rows(case: Case):
 
 def document_mask(case: Case):
   """[B, 1, n, n] True where query and key are in one document, or None."""
-  ids = case.segment_ids()
-  return None if ids is None else (ids[:, None, :, None] == ids[:, None, None, :])
+  return _mask_of(case.segment_ids())
 
 
-def _window(case: Case):
-  return None if case.window is None else (case.window, 0)
+def _mask_of(segment_ids):
+  """Document ids [B, n] -> [B, 1, n, n] True within a document (None: None)."""
+  if segment_ids is None:
+    return None
+  return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+
+
+def _window(window: int | None):
+  """A case's window (keys each query sees to its left) as jax.nn's (left, right)."""
+  return None if window is None else (window, 0)
 
 
 def reference(case: Case, q, k, v, d_out):
   """The float32 reference at HIGHEST precision: (out, lse, dq, dk, dv), one query head at a
   time so that a 32K x 32K score matrix per head is the most held at once."""
+  return _reference_fn(case.window)(q, k, v, d_out, case.lengths(), case.segment_ids())
+
+
+# The jitted functions are built once per option that changes the program (the window), with
+# lengths and document ids as data, so cases of one shape share a compilation: most of a case's
+# time is compiling.
+@functools.cache
+def _reference_fn(window: int | None):
   from jaxflash.reference import attention_reference
-  q, k, v, d_out = (x.astype(jnp.float32) for x in (q, k, v, d_out))
-  group = case.heads // case.kv_heads
-  lengths, mask = case.lengths(), document_mask(case)
 
-  def one_head(h):
-    def attend(q1, k1, v1):
-      return attention_reference(q1, k1, v1, None, mask, scale=case.d ** -0.5, is_causal=True,
-                                  query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-                                  local_window_size=_window(case), causal_alignment="top_left")
-    pick = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=2)  # noqa: E731
-    (out, lse), vjp = jax.vjp(attend, pick(q, h), pick(k, h // group), pick(v, h // group))
-    dq, dk, dv = vjp((pick(d_out, h), jnp.zeros_like(lse)))
-    return out[:, :, 0], lse[:, :, 0], dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
+  @jax.jit
+  def run(q, k, v, d_out, lengths, segment_ids):
+    q, k, v, d_out = (x.astype(jnp.float32) for x in (q, k, v, d_out))
+    heads, kv_heads = q.shape[2], k.shape[2]
+    group, mask = heads // kv_heads, _mask_of(segment_ids)
 
-  out, lse, dq, dk, dv = jax.lax.map(one_head, jnp.arange(case.heads))  # each [heads, B, n, ...]
-  heads_last = lambda x: jnp.moveaxis(x, 0, 2)  # noqa: E731
-  kv_sum = lambda x: heads_last(x.reshape(case.kv_heads, group, *x.shape[1:]).sum(1))  # noqa: E731
-  return heads_last(out), heads_last(lse), heads_last(dq), kv_sum(dk), kv_sum(dv)
+    def one_head(h):
+      def attend(q1, k1, v1):
+        return attention_reference(q1, k1, v1, None, mask, scale=q.shape[-1] ** -0.5, is_causal=True,
+                                    query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                    local_window_size=_window(window), causal_alignment="top_left")
+      pick = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=2)  # noqa: E731
+      (out, lse), vjp = jax.vjp(attend, pick(q, h), pick(k, h // group), pick(v, h // group))
+      dq, dk, dv = vjp((pick(d_out, h), jnp.zeros_like(lse)))
+      return out[:, :, 0], lse[:, :, 0], dq[:, :, 0], dk[:, :, 0], dv[:, :, 0]
+
+    out, lse, dq, dk, dv = jax.lax.map(one_head, jnp.arange(heads))  # each [heads, B, n, ...]
+    heads_last = lambda x: jnp.moveaxis(x, 0, 2)  # noqa: E731
+    kv_sum = lambda x: heads_last(x.reshape(kv_heads, group, *x.shape[1:]).sum(1))  # noqa: E731
+    return heads_last(out), heads_last(lse), heads_last(dq), kv_sum(dk), kv_sum(dv)
+
+  return run
 
 
 def provider_call(provider: str, case: Case):
   """(q, k, v, d_out) -> (out, lse or None, dq, dk, dv) for one provider."""
+  run = _provider_fn(provider, case.window)
+  return lambda q, k, v, d_out: run(q, k, v, d_out, case.lengths(), case.segment_ids())
+
+
+@functools.cache
+def _provider_fn(provider: str, window: int | None):
+  """jitted (q, k, v, d_out, lengths or None, segment ids or None) -> (out, lse or None, dq,
+  dk, dv)."""
   import jaxflash
-  lengths, window = case.lengths(), _window(case)
-  if provider == "cudnn":
-    mask = document_mask(case)
 
-    def attend(q, k, v):
-      return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, query_seq_lengths=lengths,
-                                          key_value_seq_lengths=lengths, local_window_size=window,
-                                          implementation="cudnn"), None
-  else:
-    extra = {} if case.segment_ids() is None else {"segment_ids": case.segment_ids()}
-    implementation = None if provider == "jaxflash" else "triton"
-
-    def attend(q, k, v):
-      # bottom-right equals top-left here (queries = keys per sequence) and lets the Mosaic
-      # prefill serve lengths.
-      return jaxflash.attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
-                                query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-                                local_window_size=window, return_residual=True,
-                                implementation=implementation, **extra)
+  def attend(q, k, v, lengths, segment_ids):
+    if provider == "cudnn":
+      return jax.nn.dot_product_attention(q, k, v, mask=_mask_of(segment_ids), is_causal=True,
+                                          query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                          local_window_size=_window(window), implementation="cudnn"), None
+    extra = {} if segment_ids is None else {"segment_ids": segment_ids}
+    # bottom-right equals top-left here (queries = keys per sequence) and lets the Mosaic
+    # prefill serve lengths.
+    return jaxflash.attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                              query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                              local_window_size=_window(window), return_residual=True,
+                              implementation=None if provider == "jaxflash" else "triton", **extra)
 
   @jax.jit
-  def run(q, k, v, d_out):
-    (out, lse), vjp = jax.vjp(attend, q, k, v)
-    if lse is None:
-      dq, dk, dv = vjp((d_out, None))
-    else:
-      dq, dk, dv = vjp((d_out, jnp.zeros_like(lse)))
+  def run(q, k, v, d_out, lengths, segment_ids):
+    (out, lse), vjp = jax.vjp(lambda q, k, v: attend(q, k, v, lengths, segment_ids), q, k, v)
+    dq, dk, dv = vjp((d_out, None if lse is None else jnp.zeros_like(lse)))
     return out, lse, dq, dk, dv
 
   return run
@@ -264,7 +284,7 @@ def _providers() -> list[str]:
 def run_case(case: Case, seed: int = 0) -> list[dict]:
   """The five rows (out, lse, dq, dk, dv) of one case."""
   q, k, v, d_out = make_inputs(case, seed)
-  ref = jax.jit(lambda *a: reference(case, *a))(q, k, v, d_out)
+  ref = reference(case, q, k, v, d_out)
   measured = {}
   for provider in _providers():
     try:

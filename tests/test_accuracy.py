@@ -103,3 +103,24 @@ def test_a_nan_error_is_written_as_nan_not_as_missing(monkeypatch):
   assert isinstance(rows["dq"]["jaxflash_err"], float)
   table = report.markdown_table(list(rows.values()), accuracy.COLUMNS)
   assert "| nan |" in table
+
+
+def test_cases_of_one_shape_share_their_compilations():
+  """Compiling is most of a case's time, so the reference and each provider compile once per
+  shape and window: two input classes of one shape add one compilation each; ragged lengths
+  (data, not constants) one more, and their errors stay bf16's."""
+  cases = [accuracy.Case("normal", 40, 32), accuracy.Case("peaky", 40, 32),
+           accuracy.Case("ragged", 40, 32, batch=2)]
+  reference, triton = accuracy._reference_fn(None), accuracy._provider_fn("triton", None)
+  before = reference._cache_size(), triton._cache_size()
+  for case in cases[:2]:
+    q, k, v, d_out = accuracy.make_inputs(case)
+    accuracy.reference(case, q, k, v, d_out)
+    accuracy.provider_call("triton", case)(q, k, v, d_out)
+  assert (reference._cache_size(), triton._cache_size()) == (before[0] + 1, before[1] + 1)
+  q, k, v, d_out = accuracy.make_inputs(cases[2])
+  with_lengths = accuracy.provider_call("triton", cases[2])(q, k, v, d_out)
+  assert triton._cache_size() == before[1] + 2
+  ref = accuracy.reference(cases[2], q, k, v, d_out)
+  errors = accuracy.errors(cases[2], with_lengths, ref)
+  assert errors["out"] < 2e-2 and errors["dq"] < 0.2, errors
