@@ -374,7 +374,8 @@ def collect(args, run: runner.Run) -> tuple[list[dict], list[str]]:
     if run.limit.exhausted():
       skipped.append(f"{case.name} n={case.n} d={case.d}")
       continue
-    runner.log(f"{case.name} n={case.n} d={case.d} heads={case.heads}/{case.kv_heads} B={case.batch}")
+    runner.log(f"[{run.limit.elapsed():6.1f}s] {case.name} n={case.n} d={case.d} heads={case.heads}/{case.kv_heads} "
+               f"B={case.batch}")
     rows += run_case(case)
     run.save(_merged(earlier, rows, all_cases))
   rows = _merged(earlier, rows, all_cases)
