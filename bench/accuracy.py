@@ -107,6 +107,18 @@ def full_cases() -> list[Case]:
   return cases
 
 
+def parse_cases(text: str) -> list[Case]:
+  """"kind:n:d,..." (the studies' --cases) -> Cases of those input classes and shapes."""
+  cases = []
+  for item in text.split(","):
+    try:
+      kind, n, d = item.split(":")
+      cases.append(Case(kind, int(n), int(d)))
+    except ValueError:
+      raise SystemExit(f"--cases: expected kind:n:d, got {item!r}") from None
+  return cases
+
+
 def quick_cases() -> list[Case]:
   """A CPU-sized run (the kernels interpreted): one case per hard class, tiny n."""
   return [Case("dominant_key", 64, 32, margin=150.0, heads=2, kv_heads=1),

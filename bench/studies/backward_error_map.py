@@ -95,14 +95,6 @@ def study_case(case: accuracy.Case) -> list[dict]:
   return rows
 
 
-def _parse_cases(text: str) -> list[accuracy.Case]:
-  cases = []
-  for item in text.split(","):
-    kind, n, d = item.split(":")
-    cases.append(accuracy.Case(kind, int(n), int(d)))
-  return cases
-
-
 def main(argv=None):
   p = bench_arguments(__doc__, smoke="one tiny peaky case on the CPU (Triton backward only)",
                       time_limit_s=300.0)
@@ -110,7 +102,7 @@ def main(argv=None):
                  help="kind:n:d, comma-separated (bench.accuracy's input classes)")
   args = p.parse_args(argv)
   limit = TimeLimit(args.time_limit_s)
-  cases = [accuracy.Case("peaky", 128, 64)] if args.smoke else _parse_cases(args.cases)
+  cases = [accuracy.Case("peaky", 128, 64)] if args.smoke else accuracy.parse_cases(args.cases)
   out_dir = smoke_out_dir("backward_error_map") if args.smoke else (args.out or STUDIES_DIR)
   meta = env_metadata()
   meta["title"] = "Gradient errors of the Mosaic and the Triton backward on one forward's residuals"

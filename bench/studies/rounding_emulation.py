@@ -138,8 +138,7 @@ def main(argv=None):
   p.add_argument("--rows", type=int, default=512, help="query rows a window")
   args = p.parse_args(argv)
   limit = TimeLimit(args.time_limit_s)
-  cases = [accuracy.Case("peaky", 256, 64)] if args.smoke else [
-      accuracy.Case(kind, int(n), int(d)) for kind, n, d in (c.split(":") for c in args.cases.split(","))]
+  cases = [accuracy.Case("peaky", 256, 64)] if args.smoke else accuracy.parse_cases(args.cases)
   num_rows = 32 if args.smoke else args.rows
   out_dir = smoke_out_dir("rounding_emulation") if args.smoke else (args.out or STUDIES_DIR)
   meta = env_metadata()
