@@ -15,7 +15,7 @@ from jaxflash.fused import (LinearConfig, add_rms_norm, kv_cache_write, project_
                             skinny_matmul)
 from jaxflash.paged import gather_pages, paged_decode_attention, paged_kv_write
 from jaxflash.paged_prefill import paged_prefill_attention
-from jaxflash.mosaic import MosaicPrefillConfig, mosaic_prefill_config
+from jaxflash.mosaic import MosaicBackwardConfig, MosaicPrefillConfig, mosaic_prefill_config
 from jaxflash.quantize import dequantize_kv, quantize_kv
 from jaxflash.reference import attention_reference
 
@@ -26,6 +26,6 @@ __all__ = [
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
     "SplitKV", "project_split_kv", "BackwardConfig", "backward_config", "PREFILL_IMPLEMENTATIONS",
-    "MosaicPrefillConfig", "mosaic_prefill_config", "mosaic_reason", "quantize_kv", "dequantize_kv",
+    "MosaicPrefillConfig", "MosaicBackwardConfig", "mosaic_prefill_config", "mosaic_reason", "quantize_kv", "dequantize_kv",
 ]
 __version__ = "0.1.0"

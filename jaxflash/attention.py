@@ -71,8 +71,10 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   reference, every option) or "cudnn" (jax.nn's cuDNN path; NotImplementedError for the
   options it lacks). Kernel chosen: one query token whose position is its sequence's last
   (bottom-right, or no causal mask and no window) -> split-KV decode (paged decode with
-  `block_table`), otherwise the FlashAttention-2 prefill kernel (with `block_table`, over the
-  pages in place, every option but segment ids).
+  `block_table`), otherwise the prefill: the Mosaic GPU kernel on sm_90 where it serves the
+  call (`mosaic_reason`; with `block_table` too, its tiles copied from the pages in place),
+  else the FlashAttention-2 Pallas-Triton kernel (over pages in place, every option but
+  segment ids).
 
   Precision: bf16 / fp16 inputs multiply on the tensor cores in their own type with float32
   accumulation and a float32 softmax, in every kernel. float32 inputs run on the Pallas-Triton
@@ -189,12 +191,14 @@ def prefill_attention(query: Array, key: Array, value: Array, query_seq_lengths:
   scale) and the Triton kernel otherwise; "triton" ("pallas") or "mosaic" forces one, and
   "mosaic" raises ValueError saying why where it cannot serve the call.
   config: a `PrefillConfig` (Triton tiles) or a `MosaicPrefillConfig`; given with
-  implementation=None, its type picks the kernel. backward_config: the backward's.
+  implementation=None, its type picks the kernel. backward_config: the backward's, a
+  `BackwardConfig` (Triton tiles) or, after the Mosaic forward, a `MosaicBackwardConfig`
+  (which asks for the Mosaic backward; `deterministic=False` adds dQ with TMA reduce-adds).
   backward_implementation: the backward's kernel, as `jaxflash.attention`'s.
   interpret=True runs the Triton kernel interpreted (the Mosaic kernel is compiled only).
   """
   from jaxflash import prefill as triton_prefill
-  from jaxflash.mosaic import MosaicPrefillConfig
+  from jaxflash.mosaic import MosaicBackwardConfig, MosaicPrefillConfig
   vjp.check_backward_implementation(backward_implementation)
   if implementation not in PREFILL_IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {PREFILL_IMPLEMENTATIONS}, got {implementation!r}")
@@ -228,6 +232,9 @@ def prefill_attention(query: Array, key: Array, value: Array, query_seq_lengths:
       raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
     implementation = "mosaic" if reason is None else "triton"
   if implementation == "triton":
+    if isinstance(backward_config, MosaicBackwardConfig):
+      raise TypeError("backward_config is a MosaicBackwardConfig: the Mosaic backward follows the "
+                      "Mosaic forward, which does not serve this call")
     return triton_prefill.prefill_attention(
         query, key, value, query_seq_lengths, key_value_seq_lengths, config=config,
         backward_config=backward_config, backward_implementation=backward_implementation,
@@ -278,12 +285,10 @@ def mosaic_reason(query: Array, key: Array, value: Array, query_seq_lengths: Len
                   scale: Scale = None, mods: ScoreMods = ScoreMods(), forced: bool = False,
                   segment_ids: Array | None = None, kv_segment_ids: Array | None = None) -> str | None:
   """None when the Mosaic GPU prefill serves this call (what `implementation=None` then
-  picks on sm_90), else why not: paged caches, one-token decode (unless `forced`), a traced
+  picks on sm_90, over caches or page pools), else why not: one-token decode (unless `forced`), a traced
   scale, a top-left causal mask that differs from the bottom-right one the kernel computes,
   the options it lacks (`jaxflash.mosaic.supports`), or no Hopper GPU."""
   from jaxflash.mosaic import supports
-  if block_table is not None:
-    return "paged caches are read by the Pallas-Triton kernels"
   if not forced and _decode_semantics(query, query_seq_lengths, mods):
     return "one query token per sequence runs on the split-KV decode kernels"
   if _concrete_scale(scale, query.shape[-1]) is None:
@@ -386,6 +391,16 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     out = _cudnn(query, key, value, q_lengths, kv_lengths, block_table, mods=mods,
                  scale=static_scale, return_residual=return_residual, **options)
     return out[0] if unbatched else out
+  elif implementation == "mosaic" and paged:
+    # Chunks over a page pool: the Mosaic prefill copies each key block from its pages in
+    # place (bench/results paged_prefill.md: within 1.1x of its contiguous call).
+    from jaxflash.mosaic import prefill_attention as mosaic_prefill
+    kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
+                               local_window_size=mods.window, return_residual=True)
+    run = _not_differentiable(lambda *arrays: sharding.paged_prefill(
+        lambda q, kp, vp, kl, table, ql: kernel(q, kp, vp, ql, kl, block_table=table), *arrays),
+        "paged prefill (block_table)")
+    result = run(query, key, value, kv_lengths, block_table, q_lengths)
   elif implementation == "mosaic":
     from jaxflash.mosaic import prefill_attention as mosaic_prefill
     kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,

@@ -120,15 +120,15 @@ def check_backward_implementation(backward_implementation):
   return backward_implementation
 
 
-def mosaic_backward(mods: ScoreMods, static_scale: float) -> Callable:
-  """The Mosaic GPU backward (jaxflash/mosaic/backward.py) as a `with_backward` backward,
-  sharding-aware like the Triton one."""
+def mosaic_backward(mods: ScoreMods, static_scale: float, config=None) -> Callable:
+  """The Mosaic GPU backward (jaxflash/mosaic/backward.py; `config` a MosaicBackwardConfig,
+  None: the default) as a `with_backward` backward, sharding-aware like the Triton one."""
   from jaxflash.mosaic.backward import mosaic_backward as kernel_launch
 
   def kernel(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, **options):
     del options  # mosaic_backward_reason let through only calls without array options
     dq, dk, dv = kernel_launch(q, k, v, out, lse, d_out, q_len, kv_len, scale=static_scale,
-                               causal=mods.is_causal, d_lse=d_lse)
+                               causal=mods.is_causal, d_lse=d_lse, config=config)
     return dq, dk, dv, None
 
   def backward(q, k, v, options: Options, out, lse, d_out, d_lse):
@@ -170,7 +170,9 @@ def default_backward_reason(query, key, value, options: Options, *, mods: ScoreM
   if reason is not None:
     return reason
   info = device_info()
-  programs = dkv_programs(key.shape, mosaic_backward_config(query.shape[-1], query.dtype, info))
+  programs = dkv_programs(key.shape, query.shape[2] // key.shape[2],
+                          mosaic_backward_config(query.shape[-1], query.dtype, info),
+                          causal=mods.is_causal, sm_count=info.sm_count)
   if programs < info.sm_count:
     return (f"{programs} dK/dV programs of the Mosaic backward fill less than one wave of "
             f"{info.sm_count} SMs")
@@ -181,13 +183,20 @@ def choose_backward(backward_implementation, query, key, value, options: Options
                     mods: ScoreMods, static_scale: float | None, config=None,
                     interpret=None) -> Callable:
   """The backward for this call, chosen at trace time (BACKWARD_IMPLEMENTATIONS). config: a
-  BackwardConfig for the Triton kernels (None: tuned)."""
+  BackwardConfig for the Triton kernels or a MosaicBackwardConfig, which asks for the Mosaic
+  backward (None: the tuned one of the backward chosen)."""
   check_backward_implementation(backward_implementation)
-  if backward_implementation == "mosaic":
+  from jaxflash.mosaic.backward import MosaicBackwardConfig
+  mosaic_config = isinstance(config, MosaicBackwardConfig)
+  if mosaic_config and backward_implementation == "triton":
+    raise TypeError("backward_config is a MosaicBackwardConfig, which backward_implementation='triton' "
+                    "does not take")
+  if backward_implementation == "mosaic" or mosaic_config:
     reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)
     if reason is not None:
-      raise ValueError(f"backward_implementation='mosaic' cannot serve this call: {reason}")
-    return mosaic_backward(mods, static_scale)
+      what = "backward_implementation='mosaic'" if backward_implementation else "a MosaicBackwardConfig"
+      raise ValueError(f"{what} cannot serve this call: {reason}")
+    return mosaic_backward(mods, static_scale, config if mosaic_config else None)
   if (backward_implementation is None and config is None
       and default_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale) is None):
     return mosaic_backward(mods, static_scale)

@@ -67,12 +67,27 @@ def _case_id(case):
 
 @gpu
 @SM90_ONLY
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dq-kernel", "dq-atomic"])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_gradients_match_float64(case, rng):
+def test_gradients_match_float64(case, deterministic, rng):
   b, t, s, n, kh, h, dtype, causal = case
   q, k, v, d_out = _inputs(rng, b, t, s, n, kh, h, dtype)
-  grads = _grads(q, k, v, d_out, causal=causal)
+  config = dataclasses.replace(mosaic_backward_config(h, dtype), deterministic=deterministic)
+  grads = _grads(q, k, v, d_out, causal=causal, config=config)
   _check_grads(grads, q, k, v, d_out, is_causal=causal)
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("batch,seq,heads,splits", [(1, 4096, 12, 6), (1, 16384, 12, 2), (4, 2048, 4, 2)])
+def test_head_splits_match_one_part(batch, seq, heads, splits, rng):
+  """The dK/dV kernel with each KV head's group split in parts (partial sums added by XLA)
+  gives what float64 gives, at the shapes the rule splits."""
+  from jaxflash.mosaic.backward import head_splits
+  q, k, v, d_out = _inputs(rng, batch, seq, seq, heads, 2, 128, BF16)
+  config = mosaic_backward_config(128, BF16)
+  assert head_splits(k.shape, heads // 2, config, causal=True, sm_count=H200.sm_count) == splits
+  _check_grads(_grads(q, k, v, d_out, causal=True), q, k, v, d_out, is_causal=True)
 
 
 @gpu
@@ -224,10 +239,12 @@ def test_top_left_served_where_it_is_bottom_right(monkeypatch):
 
 
 @NEEDS_MOSAIC
-@pytest.mark.parametrize("batch,seq,chosen", [(1, 4096, False), (1, 16384, True), (4, 4096, True)])
+@pytest.mark.parametrize("batch,seq,chosen", [(1, 1024, False), (1, 2048, True), (1, 4096, True),
+                                               (1, 16384, True), (4, 4096, True)])
 def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, chosen):
-  """backward_implementation=None: the Mosaic backward once its dK/dV kernel has a CTA per
-  SM (B x 2 KV heads x S / 128 >= 132 on the H200), the Triton one below."""
+  """backward_implementation=None: the Mosaic backward once its dK/dV kernel, the group of 6
+  query heads split in up to 6 parts, has a CTA per SM (B x 2 KV heads x S / 128 x 6 >= 132
+  on the H200), the Triton one below."""
   from jaxflash import device, vjp
   from jaxflash.mosaic import backward
   from jaxflash.score_mods import ScoreMods
@@ -240,6 +257,38 @@ def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, chosen):
   assert (reason is None) == chosen, reason
   if not chosen:
     assert "wave" in reason
+
+
+@CPU_ONLY
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dq-kernel", "dq-atomic"])
+@pytest.mark.parametrize("shape,causal", [((1, 4096, 4096, 12, 2, 128), True), ((2, 300, 257, 4, 2, 64), False),
+                                          ((1, 130, 129, 7, 1, 64), True)], ids=["4k-g6", "full-d64", "g7"])
+def test_kernels_lower_for_cuda(shape, causal, deterministic, monkeypatch):
+  """Off the GPU the kernels cannot run, but they trace and lower for CUDA: the dK/dV kernel
+  with its group parts and, with deterministic=False, the dQ reduce-adds."""
+  from jaxflash.mosaic import backward
+  monkeypatch.setattr(_mosaic, "on_gpu", lambda: True)
+  monkeypatch.setattr(backward, "device_info", lambda: H200)
+  b, t, s, n, kh, h = shape
+  q, kv, lse = _struct((b, t, n, h)), _struct((b, s, kh, h)), _struct((b, t, n), F32)
+  config = MosaicBackwardConfig(num_stages=2 if h == 128 else 3, deterministic=deterministic)
+  run = lambda q, k, v, o, lse, do: mosaic_backward(q, k, v, o, lse, do, causal=causal, config=config)
+  grads = jax.eval_shape(run, q, kv, kv, q, lse, q)
+  assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+  text = jax.jit(run).trace(q, kv, kv, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert ("mosaic_backward_dq" in text) == deterministic
+
+
+@pytest.mark.parametrize("key_shape,group,causal,splits", [
+    ((1, 4096, 2, 128), 6, True, 6), ((1, 16384, 2, 128), 6, True, 2), ((1, 32768, 2, 128), 6, True, 1),
+    ((1, 8192, 2, 128), 6, False, 2), ((1, 16384, 2, 128), 6, False, 1), ((1, 4096, 2, 128), 6, False, 3), ((1, 1024, 2, 128), 7, True, 7),
+    ((1, 1024, 8, 128), 1, True, 1)])
+def test_head_splits_fill_the_gpu(key_shape, group, causal, splits):
+  """The fewest parts (a divisor of the group) giving a CTA per SM, two under a causal mask."""
+  from jaxflash.mosaic.backward import head_splits
+  config = mosaic_backward_config(128, BF16)
+  assert head_splits(key_shape, group, config, causal=causal, sm_count=132) == splits
 
 
 @CPU_ONLY

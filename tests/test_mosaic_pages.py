@@ -4,8 +4,9 @@ block_kv / page copies for smaller pages.
 
 Compiled (marker `gpu`): against float64 attention over the gathered pages, chunks of new
 tokens at the end of each sequence (bottom-right), scattered and shared pages, table entries
-past a sequence's pages holding garbage. On the CPU: the kernel traces and lowers for CUDA
-with every page size, and bad page arguments are refused.
+past a sequence's pages holding garbage; jaxflash.attention takes it for paged chunks. On the
+CPU: the kernel traces and lowers for CUDA with every page size, jaxflash.attention routes
+paged chunks to it where it serves, and bad page arguments are refused.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxflash
 from jaxflash import _mosaic, mosaic
 from jaxflash.device import H200
 from jaxflash.mosaic import MosaicPrefillConfig, prefill_attention
@@ -76,6 +78,63 @@ def test_same_function_as_the_contiguous_kernel(rng):
   valid = np.arange(q.shape[1])[None, :] < q_lengths[:, None]
   np.testing.assert_allclose(np.asarray(paged, np.float32)[valid], np.asarray(contiguous, np.float32)[valid],
                              rtol=0, atol=2 ** -7)
+
+
+@pytest.mark.gpu
+@SM90_ONLY
+def test_attention_runs_it_over_page_pools(rng):
+  """jaxflash.attention over a page pool compiles to the Mosaic prefill on sm_90 and gives its
+  rows; a one-token call stays on the paged decode."""
+  q, k_pages, v_pages, table, clean, q_lengths, kv_lengths = _inputs(rng, "p16_g6_h128")
+  lengths = dict(query_seq_lengths=jnp.asarray(q_lengths, jnp.int32),
+                 key_value_seq_lengths=jnp.asarray(kv_lengths, jnp.int32))
+  run = jax.jit(lambda q, kp, vp, table: jaxflash.attention(q, kp, vp, is_causal=True, block_table=table,
+                                                             causal_alignment="bottom_right", **lengths))
+  assert "mosaic_gpu" in run.lower(q, k_pages, v_pages, table).as_text()
+  direct = prefill_attention(q, k_pages, v_pages, lengths["query_seq_lengths"],
+                             lengths["key_value_seq_lengths"], is_causal=True, block_table=table)
+  valid = np.arange(q.shape[1])[None, :] < q_lengths[:, None]
+  got = np.asarray(run(q, k_pages, v_pages, table), np.float32)
+  np.testing.assert_array_equal(got[valid], np.asarray(direct, np.float32)[valid])
+  one_token = jax.jit(lambda q, kp, vp, table: jaxflash.attention(
+      q, kp, vp, is_causal=True, block_table=table, causal_alignment="bottom_right",
+      key_value_seq_lengths=lengths["key_value_seq_lengths"]))
+  assert "mosaic_gpu" not in one_token.lower(q[:, :1], k_pages, v_pages, table).as_text()
+
+
+@NEEDS_MOSAIC
+def test_attention_routes_paged_chunks_to_it(monkeypatch, rng):
+  """Where the Mosaic prefill serves (the device rule stood in for an H200; the kernel stood
+  in for by the Triton paged prefill, recording its arguments), jaxflash.attention hands it
+  the page pool and the table; one-token calls keep the paged decode, and segment ids are
+  refused as before."""
+  from jaxflash.mosaic import config as mosaic_config
+  from jaxflash.paged_prefill import paged_prefill_attention
+  calls = []
+
+  def stand_in(q, kp, vp, ql, kl, *, block_table, scale, is_causal, local_window_size, return_residual):
+    calls.append(dict(scale=scale, is_causal=is_causal, window=local_window_size, paged=block_table is not None))
+    return paged_prefill_attention(q, kp, vp, kl, block_table, ql, scale=scale, is_causal=is_causal,
+                                   local_window_size=local_window_size, return_residual=return_residual)
+
+  monkeypatch.setattr(mosaic_config, "device_reason", lambda info: None)
+  monkeypatch.setattr(mosaic_config, "device_info", lambda: H200)
+  monkeypatch.setattr(mosaic, "prefill_attention", stand_in)
+  q, k_pages, v_pages, table, clean, q_lengths, kv_lengths = _inputs(rng, "p16_g6_h128")
+  q_len, kv_len = jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32)
+  assert jaxflash.mosaic_reason(q, k_pages, v_pages, q_len, kv_len, table) is None
+  paged = dict(is_causal=True, causal_alignment="bottom_right", block_table=table, key_value_seq_lengths=kv_len)
+  out = jaxflash.attention(q, k_pages, v_pages, query_seq_lengths=q_len, local_window_size=(300, 0), **paged)
+  assert calls == [dict(scale=128 ** -0.5, is_causal=True, window=(300, 0), paged=True)]
+  want = paged_prefill_attention(q, k_pages, v_pages, kv_len, table, q_len, is_causal=True,
+                                 local_window_size=(300, 0))
+  valid = np.arange(q.shape[1])[None, :] < q_lengths[:, None]
+  np.testing.assert_array_equal(np.asarray(out)[valid], np.asarray(want)[valid])
+  jaxflash.attention(q[:, :1], k_pages, v_pages, **paged)
+  assert len(calls) == 1
+  with pytest.raises(NotImplementedError, match="segment_ids"):
+    jaxflash.attention(q, k_pages, v_pages, segment_ids=jnp.zeros(q.shape[:2], jnp.int32),
+                       kv_segment_ids=jnp.zeros((2, table.shape[1] * 16), jnp.int32), **paged)
 
 
 @CPU_ONLY

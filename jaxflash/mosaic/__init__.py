@@ -10,9 +10,10 @@ consumers' turns; tiles.py: where a key block's tiles come from (caches or page 
 softmax.py: the online softmax; mask.py: which keys a row sees; forward.py: the forward
 kernel; backward.py: the backward kernels; segments.py: packed documents.
 """
+from jaxflash.mosaic.backward import MosaicBackwardConfig
 from jaxflash.mosaic.config import MosaicPrefillConfig, mosaic_prefill_config, supports
 from jaxflash.mosaic.forward import prefill_attention
 from jaxflash.prefill import prefill_reference
 
 __all__ = ["prefill_attention", "prefill_reference", "supports", "MosaicPrefillConfig",
-           "mosaic_prefill_config"]
+           "mosaic_prefill_config", "MosaicBackwardConfig"]

@@ -14,13 +14,17 @@ backward, except that dQ has a kernel of its own instead of float32 atomics:
   transposed to [B, N, T] so a tile's rows are one contiguous TMA copy. Rows with nothing to
   attend (LSE -inf) and padding rows get an LSE of +inf, so their P is exactly 0 without a
   mask in the kernels;
-* dK/dV: one CTA per (block of keys, KV head, sequence). Each of two consumer warpgroups
-  owns `block_kv` keys and keeps its dK and dV in float32 registers for the whole loop; a
-  producer warpgroup streams the query blocks (Q, dO, LSE, delta) through a `num_stages`
-  ring of shared memory with TMA, for every query head of the KV head's group in turn, so
-  GQA's sum over the group happens in the registers (no [B, S, N, H] buffer, no reduction
-  after). Written transposed: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T,
-  dK += dS^T Q, all wgmma with P^T and dS^T straight from registers;
+* dK/dV: one CTA per (block of keys, part of a KV head's group of query heads, sequence).
+  Each of two consumer warpgroups owns `block_kv` keys and keeps its dK and dV in float32
+  registers for the whole loop; a producer warpgroup streams the query blocks (Q, dO, LSE,
+  delta) through a `num_stages` ring of shared memory with TMA, for every query head of its
+  part in turn, so GQA's sum over the part happens in the registers. Written transposed:
+  S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q, all wgmma with P^T and
+  dS^T straight from registers. The parts (`head_splits`) write float32 partial sums that
+  XLA adds in a fixed order: with few key blocks (B = 1, S = 4K: 32 blocks x 2 KV heads for
+  132 SMs) or a causal mask (the first key block sees every query, the last one 128) one part
+  per group would leave SMs idle, as FlashAttention-2 (Dao 2023, section 3.2) splits work
+  over the sequence for the same reason;
 * dQ: one CTA per (block of queries, query head, sequence), two consumer warpgroups of
   `block_q` rows each, the producer streaming K and V: S = Q K^T, P, dP = dO V^T, dS,
   dQ += dS K.
@@ -71,6 +75,9 @@ class MosaicBackwardConfig:
   block_q: int = 64
   block_kv: int = 64
   num_stages: int = 2
+  # False: dQ is added into float32 memory by TMA reduce-adds from the dK/dV kernel (five
+  # matrix products a block instead of seven), in an order that varies from call to call.
+  deterministic: bool = True
 
   def __post_init__(self):
     if (self.block_q, self.block_kv) != (64, 64):
@@ -90,7 +97,9 @@ class MosaicBackwardConfig:
     ring_dq = 2 * self.num_stages * self.block_kv
     rows = max(owned_dkv + ring_dkv, owned_dq + ring_dq)
     stats = 2 * 4 * max(self.num_stages, NUM_CONSUMERS) * self.block_q  # LSE and delta
-    return itemsize * head_dim * rows + stats + SMEM_RESERVE
+    partials = 4 * head_dim * NUM_CONSUMERS * self.block_kv  # dK/dV's float32 way out
+    ds = 0 if self.deterministic else itemsize * NUM_CONSUMERS * self.block_kv * self.block_q
+    return itemsize * head_dim * rows + stats + partials + ds + SMEM_RESERVE
 
 
 def mosaic_backward_config(head_dim: int, dtype, info: DeviceInfo | None = None
@@ -140,16 +149,29 @@ def backward_reason(query, key, value, *, info: DeviceInfo | None = None, is_cau
   return None
 
 
-def dkv_programs(key_shape, config: MosaicBackwardConfig) -> int:
-  """CTAs of the dK/dV kernel for keys [B, S, K, H]: one per (NUM_CONSUMERS * block_kv
-  keys, KV head, sequence)."""
+def head_splits(key_shape, group: int, config: MosaicBackwardConfig, *, causal: bool,
+                sm_count: int) -> int:
+  """Parts each KV head's group of `group` query heads is split into for keys [B, S, K, H]:
+  the fewest (a divisor of the group) that give the dK/dV kernel a CTA per SM, two under a
+  causal mask, where the first key blocks see the most queries (each part's partial sums
+  cost 8 bytes a key and head dim in HBM, written and read once)."""
   batch, seq_kv, kv_heads = key_shape[0], key_shape[1], key_shape[2]
-  keys = NUM_CONSUMERS * config.block_kv
-  return batch * kv_heads * -(-seq_kv // keys)
+  blocks = batch * kv_heads * -(-seq_kv // (NUM_CONSUMERS * config.block_kv))
+  wanted = (2 if causal else 1) * sm_count
+  return next((s for s in range(1, group + 1) if group % s == 0 and blocks * s >= wanted), group)
 
 
-def _swizzled():
-  return dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // 2)),
+def dkv_programs(key_shape, group: int, config: MosaicBackwardConfig, *, causal: bool,
+                 sm_count: int) -> int:
+  """CTAs of the dK/dV kernel for keys [B, S, K, H]: one per (NUM_CONSUMERS * block_kv
+  keys, part of a KV head's group, sequence)."""
+  batch, seq_kv, kv_heads = key_shape[0], key_shape[1], key_shape[2]
+  blocks = batch * kv_heads * -(-seq_kv // (NUM_CONSUMERS * config.block_kv))
+  return blocks * head_splits(key_shape, group, config, causal=causal, sm_count=sm_count)
+
+
+def _swizzled(itemsize: int = 2):
+  return dict(transforms=(plgpu.TilingTransform((8, SWIZZLE_BYTES // itemsize)),
                           plgpu.SwizzleTransform(SWIZZLE_BYTES)))
 
 
@@ -182,21 +204,29 @@ def _dkdv_kernel(
     do_ref,  # [B, T_pad, N, H] GMEM
     lse_ref,  # [B, N, T_pad] float32 GMEM: base-2 LSE, +inf on rows that attend nothing
     delta_ref,  # [B, N, T_pad] float32 GMEM
-    dk_ref,  # [B, S_pad, K, H] GMEM
-    dv_ref,  # [B, S_pad, K, H] GMEM
-    k_smem, v_smem,  # [2, block_kv, H] SMEM: each consumer's own keys and values
+    dk_ref,  # [splits * B, S_pad, K, H] float32 GMEM: each part's partial sum
+    dv_ref,  # [splits * B, S_pad, K, H] float32 GMEM
+    k_smem, v_smem,  # [2 * block_kv, H] SMEM: each consumer's own keys and values
     q_smem, do_smem,  # [stages, block_q, H] SMEM ring
     lse_smem, delta_smem,  # [stages, block_q] float32 SMEM ring
+    out_smem,  # [2, block_kv, H] float32 SMEM: each consumer's dK, then its dV, on the way out
     k_loaded, v_loaded,  # [2] barriers: a consumer's K / V tile landed
     q_ready, do_ready, lse_ready, delta_ready,  # [stages] barriers: a slot's TMA landed
     slot_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     *, qk_scale: float, scale: float, causal: bool, block_q: int, block_kv: int,
-    num_stages: int, seq_q: int, seq_kv: int, group: int,
+    num_stages: int, seq_q: int, seq_kv: int, group: int, splits: int,
+    dq_acc_ref=None,  # [B, T_pad, N, H] float32 GMEM, zeros in: dQ / scale, added by TMA
+    ds_smem=None,  # [2 * block_kv, block_q] SMEM: both consumers' dS^T
+    ds_full=None,  # barrier, 2 arrivals: both consumers' dS^T are in ds_smem
+    ds_free=None,  # barrier, 1 arrival: this step's dQ product has read ds_smem
 ):
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
-  kv_tile, kv_head, batch = (lax.axis_index(n) for n in ("kv_tile", "kv_head", "batch"))
+  part, kv_tile, batch = (lax.axis_index(n) for n in ("part", "kv_tile", "batch"))
+  kv_head, split = lax.div(part, splits), lax.rem(part, splits)
+  heads = group // splits  # query heads of this part: kv_head * group + split * heads + [0, heads)
+  first_head = kv_head * group + split * heads
   cta_base = kv_tile * (NUM_CONSUMERS * block_kv)
   q_valid, kv_valid, shift = _lengths(q_len_ref, kv_len_ref, batch, seq_q, seq_kv)
   # Query blocks [lo, hi) hold a row that sees one of this CTA's keys: under the causal
@@ -212,7 +242,8 @@ def _dkdv_kernel(
     plgpu.set_max_registers(consumer_registers, action="increase")
     k_base = cta_base + wg * block_kv
     keys = (batch, pl.ds(k_base, block_kv), kv_head)
-    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    own = pl.ds(wg * block_kv, block_kv)
+    k_tile, v_tile = k_smem.at[own], v_smem.at[own]
     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, k_loaded.at[wg])
     plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, v_loaded.at[wg])
     # Blocks from full_lo on have every row past this consumer's last key (and the keys are
@@ -261,10 +292,24 @@ def _dkdv_kernel(
       delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
+      ds_t = ds_t.astype(dtype)
+      if dq_acc_ref is not None:
+        plgpu.barrier_wait(ds_free)  # the last step's dQ product has read ds_smem
+        ds_smem[own] = ds_t
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_full)
+
       def dk_step(dk_ref_):
-        plgpu.wgmma(dk_ref_, ds_t.astype(dtype), q_tile)  # dK += dS^T Q
+        plgpu.wgmma(dk_ref_, ds_t, q_tile)  # dK += dS^T Q
 
       dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
+      if dq_acc_ref is not None:
+        plgpu.barrier_wait(ds_full)
+        # The consumers take turns: this step's dQ rows, over both consumers' keys.
+        step_index = head_step * count + i - lo
+        pl.when(lax.rem(step_index, NUM_CONSUMERS) == wg)(
+            lambda: _add_dq(dq_acc_ref.at[batch, pl.ds(i * block_q, block_q), first_head + head_step],
+                            ds_smem, k_smem, out_smem.at[wg], ds_free))
       plgpu.barrier_arrive(slot_free.at[slot])
       return dk, dv
 
@@ -275,25 +320,33 @@ def _dkdv_kernel(
       return lax.fori_loop(full_lo, hi, whole, carry)
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    if dq_acc_ref is not None:
+      # The dQ product of step -1 (none) has read ds_smem; the first step's product reads
+      # both consumers' K.
+      pl.when(wg == NUM_CONSUMERS - 1)(lambda: plgpu.barrier_arrive(ds_free))
+      plgpu.barrier_wait(k_loaded.at[1 - wg])
     plgpu.barrier_wait(k_loaded.at[wg])
     plgpu.barrier_wait(v_loaded.at[wg])
-    dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
-    # The last wgmma reading this consumer's K and V has completed: their buffers take the
-    # results on the way out.
-    k_tile[...] = (dk * scale).astype(dtype)
-    v_tile[...] = dv.astype(dtype)
+    dk, dv = lax.fori_loop(0, heads, head_loop, (zeros, zeros))
+    partial = (split * q_ref.shape[0] + batch, pl.ds(k_base, block_kv), kv_head)
+    out_tile = out_smem.at[wg]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last dQ rows are read
+    out_tile[...] = dk * scale
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
-    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+    plgpu.copy_smem_to_gmem(out_tile, dk_ref.at[partial])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer is read: it takes dV
+    out_tile[...] = dv
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_tile, dv_ref.at[partial])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
   def _producer():
     plgpu.set_max_registers(producer_registers, action="decrease")
 
-    @pl.loop(0, group)
+    @pl.loop(0, heads)
     def _(head_step):
-      head = kv_head * group + head_step
+      head = first_head + head_step
 
       @pl.loop(0, count)
       def _(j):
@@ -307,6 +360,25 @@ def _dkdv_kernel(
         plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
         plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot],
                                 delta_ready.at[slot])
+
+
+def _add_dq(dq_rows, ds_smem, k_smem, stage, ds_free):
+  """dQ / scale of one query block over the CTA's keys, added into float32 GMEM by a TMA
+  reduce-add (FlashAttention-3's atomic dQ, section 3.3 of its paper): dq_rows [block_q, H]
+  GMEM, ds_smem [keys, block_q] (dS^T of both consumers), k_smem [keys, H], stage
+  [block_q, H] float32 SMEM (this consumer's: its previous add must have read it)."""
+  block_q, head_dim = stage.shape
+
+  def product(acc):
+    plgpu.wgmma(acc, ds_smem.T, k_smem)  # [block_q, keys] x [keys, H]
+    return acc[...]
+
+  dq = pl.run_scoped(product, plgpu.ACC((block_q, head_dim), jnp.float32))
+  plgpu.barrier_arrive(ds_free)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read `stage`
+  stage[...] = dq
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(stage, dq_rows, reduction_op="add")
 
 
 def _dq_kernel(
@@ -422,6 +494,16 @@ def _dq_kernel(
       plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
 
+def _kernel(body, *, scratch_types, compiler_params, grid, grid_names, num_threads, thread_name):
+  """plgpu.kernel writing into Refs passed among its operands (inside `pl.run_state`)."""
+  def with_scratch(*refs):
+    pl.run_scoped(functools.partial(body, *refs), *scratch_types, collective_axes=thread_name)
+
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads, thread_name=thread_name)
+  return pl.kernel(with_scratch, out_type=(), mesh=mesh, compiler_params=compiler_params,
+                   name=body.__name__)
+
+
 def _check_args(query, key, value, out, lse, d_out):
   _checks.check_qkv(query, key, value)
   _checks.check_same_batch(query, key)
@@ -445,7 +527,7 @@ def _check_args(query, key, value, out, lse, d_out):
 
 
 def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardConfig,
-            scale: float, causal: bool, seq_q: int, seq_kv: int):
+            scale: float, causal: bool, seq_q: int, seq_kv: int, sm_count: int):
   """The two kernels on padded operands (shapes as in `_dkdv_kernel`) -> padded (dq, dk, dv)."""
   batch, seq_q_pad, num_heads, head_dim = q.shape
   seq_kv_pad, num_kv_heads = k.shape[1], k.shape[2]
@@ -460,21 +542,47 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardCo
   threads = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg")
   operands = (q_len, kv_len, q, k, v, do, lse2, delta)
 
-  dkdv = functools.partial(_dkdv_kernel, **common)
-  dkdv.__name__ = "mosaic_backward_dkdv"
-  owned = plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), dtype, **swizzled)
+  splits = head_splits(k.shape, group, config, causal=causal, sm_count=sm_count)
+  owned = plgpu.SMEM((NUM_CONSUMERS * block_kv, head_dim), dtype, **swizzled)
   ring = plgpu.SMEM((config.num_stages, block_q, head_dim), dtype, **swizzled)
   stats_ring = plgpu.SMEM((config.num_stages, block_q), jnp.float32)
-  kv_struct = jax.ShapeDtypeStruct(k.shape, dtype)
-  dk, dv = plgpu.kernel(
-      dkdv, out_type=(kv_struct, kv_struct),
-      scratch_types=[owned, owned, ring, ring, stats_ring, stats_ring,
-                     plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-                     plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-                     *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
-                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)],
-      compiler_params=params, grid=(seq_kv_pad // (NUM_CONSUMERS * block_kv), num_kv_heads, batch),
-      grid_names=("kv_tile", "kv_head", "batch"), **threads)(*operands)
+  partials_out = plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), jnp.float32, **_swizzled(4))
+  partials = jax.ShapeDtypeStruct((splits * batch, *k.shape[1:]), jnp.float32)
+  scratch = [owned, owned, ring, ring, stats_ring, stats_ring, partials_out,
+             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+             *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
+             plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)]
+  grid = dict(grid=(num_kv_heads * splits, seq_kv_pad // (NUM_CONSUMERS * block_kv), batch),
+              grid_names=("part", "kv_tile", "batch"))
+  if config.deterministic:
+    dkdv = functools.partial(_dkdv_kernel, splits=splits, **common)
+  else:
+    scratch += [plgpu.SMEM((NUM_CONSUMERS * block_kv, block_q), dtype, **swizzled),
+                plgpu.Barrier(num_arrivals=NUM_CONSUMERS), plgpu.Barrier(num_arrivals=1)]
+
+    def dkdv(*refs):
+      inputs, (acc,), rest = refs[:len(operands)], refs[len(operands):len(operands) + 1], refs[len(operands) + 1:]
+      outputs, scratch_refs = rest[:2], rest[2:]
+      *fixed, ds_smem, ds_full, ds_free = scratch_refs
+      _dkdv_kernel(*inputs, *outputs, *fixed, dq_acc_ref=acc, ds_smem=ds_smem, ds_full=ds_full,
+                   ds_free=ds_free, splits=splits, **common)
+  dkdv.__name__ = "mosaic_backward_dkdv"
+  # Parts vary fastest: the first key blocks, which carry the most queries under the causal
+  # mask, launch first.
+  if config.deterministic:
+    dk, dv = plgpu.kernel(dkdv, out_type=(partials, partials), scratch_types=scratch,
+                          compiler_params=params, **grid, **threads)(*operands)
+  else:
+    def run(refs):  # the dQ accumulator starts as zeros and the kernel adds into it
+      _kernel(dkdv, scratch_types=scratch, compiler_params=params, **grid, **threads)(*operands, *refs)
+
+    dq_acc, dk, dv = pl.run_state(run)((jnp.zeros(q.shape, jnp.float32),
+                                        *[jnp.zeros(partials.shape, partials.dtype)] * 2))
+  # The parts' float32 partial sums, added in a fixed order.
+  dk, dv = (x.reshape(splits, *k.shape).sum(axis=0).astype(dtype) for x in (dk, dv))
+  if not config.deterministic:
+    return (dq_acc * scale).astype(dtype), dk, dv
 
   num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
   dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common)
@@ -566,7 +674,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   q, do, k, v = pad4(q, seq_q_pad), pad4(do, seq_q_pad), pad4(k, seq_kv_pad), pad4(v, seq_kv_pad)
 
   launch = functools.partial(_launch, config=config, scale=scale, causal=bool(causal), seq_q=seq_q,
-                             seq_kv=seq_kv)
+                             seq_kv=seq_kv, sm_count=device_info().sm_count)
 
   @jax.custom_batching.custom_vmap
   def run_kernels(q_len, kv_len, q, k, v, do, lse2, delta):

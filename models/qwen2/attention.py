@@ -133,9 +133,8 @@ class Attention(nnx.Module):
                                   kv_lengths=total, block_table=kv.block_table,
                                   local_window_size=window, **kv.scales)
       return out.reshape(batch, steps, -1)
-    # A prompt, or a chunk of one, over the cache: the prefill kernel over the contiguous
-    # cache, or the paged prefill kernel through the block table (with a window,
-    # jaxflash.attention gathers the pages for the prefill kernel instead).
+    # A prompt, or a chunk of one, over the cache: the prefill over the contiguous cache or
+    # through the block table (jaxflash.attention picks the kernel: Mosaic GPU on sm_90).
     out = dot_product_attention(q, kv.keys, kv.values, impl=impl, is_causal=True,
                                 query_lengths=new_lengths, kv_lengths=total,
                                 block_table=kv.block_table, local_window_size=window, **kv.scales)
