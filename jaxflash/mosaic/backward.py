@@ -97,7 +97,7 @@ class MosaicBackwardConfig:
     ring_dq = 2 * self.num_stages * self.block_kv
     rows = max(owned_dkv + ring_dkv, owned_dq + ring_dq)
     stats = 2 * 4 * max(self.num_stages, NUM_CONSUMERS) * self.block_q  # LSE and delta
-    partials = 4 * head_dim * NUM_CONSUMERS * self.block_kv  # dK/dV's float32 way out
+    partials = 4 * head_dim // 2 * NUM_CONSUMERS * self.block_kv  # float32 staging for TMA stores
     ds = 0 if self.deterministic else itemsize * NUM_CONSUMERS * self.block_kv * self.block_q
     return itemsize * head_dim * rows + stats + partials + ds + SMEM_RESERVE
 
@@ -209,7 +209,7 @@ def _dkdv_kernel(
     k_smem, v_smem,  # [2 * block_kv, H] SMEM: each consumer's own keys and values
     q_smem, do_smem,  # [stages, block_q, H] SMEM ring
     lse_smem, delta_smem,  # [stages, block_q] float32 SMEM ring
-    out_smem,  # [2, block_kv, H] float32 SMEM: each consumer's dK, then its dV, on the way out
+    out_smem,  # [2, block_kv, H / 2] float32 SMEM: each consumer's staging for TMA stores
     k_loaded, v_loaded,  # [2] barriers: a consumer's K / V tile landed
     q_ready, do_ready, lse_ready, delta_ready,  # [stages] barriers: a slot's TMA landed
     slot_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
@@ -218,7 +218,7 @@ def _dkdv_kernel(
     dq_acc_ref=None,  # [B, T_pad, N, H] float32 GMEM, zeros in: dQ / scale, added by TMA
     ds_smem=None,  # [2 * block_kv, block_q] SMEM: both consumers' dS^T
     ds_full=None,  # barrier, 2 arrivals: both consumers' dS^T are in ds_smem
-    ds_free=None,  # barrier, 1 arrival: this step's dQ product has read ds_smem
+    ds_free=None,  # barrier, 2 arrivals: both consumers' dQ products have read ds_smem
 ):
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
@@ -305,11 +305,11 @@ def _dkdv_kernel(
       dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
       if dq_acc_ref is not None:
         plgpu.barrier_wait(ds_full)
-        # The consumers take turns: this step's dQ rows, over both consumers' keys.
-        step_index = head_step * count + i - lo
-        pl.when(lax.rem(step_index, NUM_CONSUMERS) == wg)(
-            lambda: _add_dq(dq_acc_ref.at[batch, pl.ds(i * block_q, block_q), first_head + head_step],
-                            ds_smem, k_smem, out_smem.at[wg], ds_free))
+        # Each consumer adds its half of the head dim of this step's dQ rows, over both
+        # consumers' keys.
+        cols = pl.ds(wg * (head_dim // NUM_CONSUMERS), head_dim // NUM_CONSUMERS)
+        _add_dq(dq_acc_ref.at[batch, pl.ds(i * block_q, block_q), first_head + head_step, cols],
+                ds_smem, k_smem.at[:, cols], out_smem.at[wg], ds_free)
       plgpu.barrier_arrive(slot_free.at[slot])
       return dk, dv
 
@@ -321,23 +321,21 @@ def _dkdv_kernel(
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     if dq_acc_ref is not None:
-      # The dQ product of step -1 (none) has read ds_smem; the first step's product reads
+      # The dQ products of step -1 (none) have read ds_smem; every step's product reads
       # both consumers' K.
-      pl.when(wg == NUM_CONSUMERS - 1)(lambda: plgpu.barrier_arrive(ds_free))
+      plgpu.barrier_arrive(ds_free)
       plgpu.barrier_wait(k_loaded.at[1 - wg])
     plgpu.barrier_wait(k_loaded.at[wg])
     plgpu.barrier_wait(v_loaded.at[wg])
     dk, dv = lax.fori_loop(0, heads, head_loop, (zeros, zeros))
     partial = (split * q_ref.shape[0] + batch, pl.ds(k_base, block_kv), kv_head)
-    out_tile = out_smem.at[wg]
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last dQ rows are read
-    out_tile[...] = dk * scale
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_tile, dk_ref.at[partial])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer is read: it takes dV
-    out_tile[...] = dv
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_tile, dv_ref.at[partial])
+    half = head_dim // 2
+    for result, result_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+      for c in range(2):  # half the columns a copy, through this consumer's staging tile
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's last copy has read it
+        out_smem[wg] = result[:, c * half:(c + 1) * half]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg], result_ref.at[(*partial, pl.ds(c * half, half))])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
@@ -362,18 +360,19 @@ def _dkdv_kernel(
                                 delta_ready.at[slot])
 
 
-def _add_dq(dq_rows, ds_smem, k_smem, stage, ds_free):
-  """dQ / scale of one query block over the CTA's keys, added into float32 GMEM by a TMA
-  reduce-add (FlashAttention-3's atomic dQ, section 3.3 of its paper): dq_rows [block_q, H]
-  GMEM, ds_smem [keys, block_q] (dS^T of both consumers), k_smem [keys, H], stage
-  [block_q, H] float32 SMEM (this consumer's: its previous add must have read it)."""
-  block_q, head_dim = stage.shape
+def _add_dq(dq_rows, ds_smem, k_cols, stage, ds_free):
+  """dQ / scale of one query block over the CTA's keys, some of its columns, added into
+  float32 GMEM by a TMA reduce-add (FlashAttention-3's atomic dQ, section 3.3 of its paper):
+  dq_rows [block_q, C] GMEM, ds_smem [keys, block_q] (dS^T of both consumers), k_cols
+  [keys, C], stage [block_q, C] float32 SMEM (this consumer's: its previous add must have
+  read it)."""
+  block_q, columns = stage.shape
 
   def product(acc):
-    plgpu.wgmma(acc, ds_smem.T, k_smem)  # [block_q, keys] x [keys, H]
+    plgpu.wgmma(acc, ds_smem.T, k_cols)  # [block_q, keys] x [keys, C]
     return acc[...]
 
-  dq = pl.run_scoped(product, plgpu.ACC((block_q, head_dim), jnp.float32))
+  dq = pl.run_scoped(product, plgpu.ACC((block_q, columns), jnp.float32))
   plgpu.barrier_arrive(ds_free)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read `stage`
   stage[...] = dq
@@ -546,7 +545,7 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardCo
   owned = plgpu.SMEM((NUM_CONSUMERS * block_kv, head_dim), dtype, **swizzled)
   ring = plgpu.SMEM((config.num_stages, block_q, head_dim), dtype, **swizzled)
   stats_ring = plgpu.SMEM((config.num_stages, block_q), jnp.float32)
-  partials_out = plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), jnp.float32, **_swizzled(4))
+  partials_out = plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim // 2), jnp.float32, **_swizzled(4))
   partials = jax.ShapeDtypeStruct((splits * batch, *k.shape[1:]), jnp.float32)
   scratch = [owned, owned, ring, ring, stats_ring, stats_ring, partials_out,
              plgpu.Barrier(num_barriers=NUM_CONSUMERS),
@@ -559,7 +558,7 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardCo
     dkdv = functools.partial(_dkdv_kernel, splits=splits, **common)
   else:
     scratch += [plgpu.SMEM((NUM_CONSUMERS * block_kv, block_q), dtype, **swizzled),
-                plgpu.Barrier(num_arrivals=NUM_CONSUMERS), plgpu.Barrier(num_arrivals=1)]
+                plgpu.Barrier(num_arrivals=NUM_CONSUMERS), plgpu.Barrier(num_arrivals=NUM_CONSUMERS)]
 
     def dkdv(*refs):
       inputs, (acc,), rest = refs[:len(operands)], refs[len(operands):len(operands) + 1], refs[len(operands) + 1:]
@@ -634,6 +633,11 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   if not isinstance(scale, float):
     raise TypeError("the Mosaic backward takes a static float scale")
   config = config or mosaic_backward_config(head_dim, query.dtype)
+  if not config.deterministic and head_dim != 128:
+    # Each consumer adds half of dQ's columns; a 32-column half of a 64-wide swizzled K tile
+    # is not a wgmma operand.
+    raise ValueError(f"MosaicBackwardConfig(deterministic=False) takes head dim 128, got query "
+                     f"{tuple(query.shape)}")
   if 0 in (batch, seq_q, num_heads) or seq_kv == 0:
     return jnp.zeros_like(query), jnp.zeros_like(key), jnp.zeros_like(value)
   if not _mosaic.on_gpu():
