@@ -181,8 +181,8 @@ def replay_static(sampler, trace, batch: int, max_new: int):
 
 
 class IdTokenizer:
-  """Token ids as text ("<id> "), for a model without a tokenizer behind the HTTP server:
-  every token is one piece of text, so each streamed chunk is one token."""
+  """Token ids as text ("<id> "), for a model without a tokenizer behind the HTTP server: a
+  streamed chunk holds as many tokens as it has "<" (a multi-step dispatch sends several)."""
 
   def encode(self, text: str):
     raise NotImplementedError("the benchmark sends token ids")
@@ -194,15 +194,45 @@ class IdTokenizer:
     return None
 
 
-def replay_http(engine, trace):
-  """The trace through the OpenAI-compatible server (engine in its thread, uvicorn on a
-  loopback port): each request streamed by an asyncio httpx client at its arrival time.
-  -> per request (arrival, token times)."""
+def _stream_requests(url: str, requests) -> list:
+  """An asyncio httpx client streaming each (arrival, prompt, max_tokens) request from its
+  arrival time -> per request (arrival, token times), on time.perf_counter (CLOCK_MONOTONIC,
+  one clock for every process of the host). Runs in a process of its own, so that the
+  client does not share the server's interpreter lock."""
   import asyncio
   import json
-  import threading
 
   import httpx
+
+  async def one(client, start, arrival, prompt, max_tokens):
+    await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+    times = []
+    body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    async with client.stream("POST", url, json=body) as reply:
+      async for line in reply.aiter_lines():
+        if line.startswith("data: {"):
+          text = json.loads(line[6:])["choices"][0]["text"]
+          times += [time.perf_counter()] * text.count("<")  # IdTokenizer: "<id> " a token
+    return start + arrival, times
+
+  async def run_all():
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+      # One request first, outside the clock: the first trip through the stack is slow.
+      await client.post(url, json=dict(prompt=[1, 2, 3], max_tokens=2, temperature=0))
+      start = time.perf_counter()
+      return await asyncio.gather(*(one(client, start, *r) for r in requests))
+
+  return list(asyncio.run(run_all()))
+
+
+def replay_http(engine, trace):
+  """The trace through the OpenAI-compatible server (engine in its thread, uvicorn on a
+  loopback port), streamed by a client in another process (`_stream_requests`).
+  -> per request (arrival, token times)."""
+  import concurrent.futures
+  import multiprocessing
+  import threading
 
   from models import serve
   from models.serving.chat import ChatTemplate
@@ -218,27 +248,10 @@ def replay_http(engine, trace):
   while not web.started:
     time.sleep(0.01)
   url = serve.url_of(sock) + "/v1/completions"
-
-  async def one(client, start, r):
-    await asyncio.sleep(max(0.0, start + r.arrival - time.perf_counter()))
-    times = []
-    body = dict(prompt=list(r.prompt), max_tokens=r.output_len, temperature=0, stream=True)
-    async with client.stream("POST", url, json=body) as reply:
-      async for line in reply.aiter_lines():
-        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-          times.append(time.perf_counter())
-    return start + r.arrival, times
-
-  async def run_all():
-    limits = httpx.Limits(max_connections=len(trace), max_keepalive_connections=len(trace))
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-      # One request first, outside the clock: the first trip through the stack is slow.
-      await client.post(url, json=dict(prompt=[1, 2, 3], max_tokens=2, temperature=0))
-      start = time.perf_counter()
-      return await asyncio.gather(*(one(client, start, r) for r in trace))
-
+  requests = [(r.arrival, [int(t) for t in r.prompt], int(r.output_len)) for r in trace]
   try:
-    return list(asyncio.run(run_all()))
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+      return pool.submit(_stream_requests, url, requests).result()
   finally:
     web.should_exit = True
     thread.join(10)

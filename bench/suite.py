@@ -60,7 +60,7 @@ class Entry:
 
 _PREFILL_PROVIDERS = ("jaxflash", "jaxflash_triton", "jaxflash_mosaic", "cudnn", "fa3", "tokamax",
                       "pallas_mha", "xla", "naive")
-_TRAIN_PROVIDERS = ("jaxflash", "jaxflash_default", "jaxflash_mosaic_bwd", "jaxflash_atomic_dq", "cudnn", "fa3", "tokamax",
+_TRAIN_PROVIDERS = ("jaxflash", "jaxflash_default", "jaxflash_mosaic_bwd", "cudnn", "fa3", "tokamax",
                     "pallas_mha", "xla")
 
 SUITE: tuple[Entry, ...] = (

@@ -193,7 +193,7 @@ def prefill_attention(query: Array, key: Array, value: Array, query_seq_lengths:
   config: a `PrefillConfig` (Triton tiles) or a `MosaicPrefillConfig`; given with
   implementation=None, its type picks the kernel. backward_config: the backward's, a
   `BackwardConfig` (Triton tiles) or, after the Mosaic forward, a `MosaicBackwardConfig`
-  (which asks for the Mosaic backward; `deterministic=False` adds dQ with TMA reduce-adds).
+  (which asks for the Mosaic backward).
   backward_implementation: the backward's kernel, as `jaxflash.attention`'s.
   interpret=True runs the Triton kernel interpreted (the Mosaic kernel is compiled only).
   """

@@ -24,9 +24,9 @@ from jaxflash import prefill_backward, sharding
 from jaxflash.option_grads import option_grads
 from jaxflash.score_mods import ScoreMods
 
-# None and "triton": the Pallas-Triton backward (every GPU, every option). "mosaic": the Pallas
+# None: the Mosaic GPU backward where `default_backward_reason` is None, else the Pallas-Triton
+# one. "triton": the Pallas-Triton backward (every GPU, every option). "mosaic": the Pallas
 # Mosaic GPU backward (sm_90; ValueError with `mosaic_backward_reason` where it cannot serve).
-# It passes its compiled gradient tests; it becomes the sm_90 default once measured faster.
 BACKWARD_IMPLEMENTATIONS = (None, "triton", "mosaic")
 
 
@@ -161,9 +161,12 @@ def mosaic_backward_reason(query, key, value, options: Options, *, mods: ScoreMo
 def default_backward_reason(query, key, value, options: Options, *, mods: ScoreMods,
                             static_scale: float | None) -> str | None:
   """None when backward_implementation=None takes the Mosaic GPU backward: where it serves
-  the call and its dK/dV kernel has at least one CTA per SM. Below one wave (B = 1 at 4K
-  keys with 2 KV heads: 64 CTAs on 132 SMs) the Triton backward, which splits each key
-  block's queries over programs, is faster (bench/results/h200/train.md)."""
+  the call and its dK/dV kernel, each KV head's query-head group split over CTAs
+  (`mosaic.backward.head_splits`), has at least one CTA per SM. Below that (B = 1 at 1K keys
+  with 12 / 2 heads: 96 CTAs on 132 SMs) the Triton backward, which also splits each key
+  block's queries over programs, runs. Measured from 2K up: 1.04-1.18x the Triton backward's
+  fwd+bwd speed at 2K-8K, 1.2-1.4x from 16K and at 4 x 4K (bench/studies/results/h100/
+  train_dq_variants.md)."""
   from jaxflash.device import device_info
   from jaxflash.mosaic.backward import dkv_programs, mosaic_backward_config
   reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)

@@ -436,3 +436,42 @@ def test_prefill_options_choose_its_result_stem():
   args = runner.parse(prefill.BENCHMARK, ["--head-dim", "64", "--no-sweep", "--impls", "jaxflash", "cudnn"])
   assert prefill.BENCHMARK.stem(args) == "prefill_d64" and not args.sweep and args.impls == ["jaxflash", "cudnn"]
   assert prefill.BENCHMARK.stem(runner.parse(prefill.BENCHMARK, [])) == "prefill"
+
+
+def test_http_client_counts_every_token_of_a_chunk():
+  """bench.serve's HTTP client: a streamed chunk of a multi-step dispatch carries several
+  tokens ("<id> " each, bench.serve.IdTokenizer), and each is counted, at the chunk's time."""
+  import http.server
+  import json
+  import threading
+
+  from bench import serve as serve_bench
+
+  chunks = ["<5> <6> <7> ", "<8> ", ""]
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+      body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.end_headers()
+      if body.get("stream"):
+        for text in chunks:
+          self.wfile.write(f"data: {json.dumps({'choices': [{'text': text}]})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+      else:
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    results = serve_bench._stream_requests(url, [(0.0, [1, 2], 4), (0.01, [3], 4)])
+  finally:
+    server.shutdown()
+  assert [len(times) for _, times in results] == [4, 4]
+  for arrival, times in results:
+    assert times[0] == times[1] == times[2] <= times[3] and arrival <= times[0]

@@ -67,15 +67,11 @@ def _case_id(case):
 
 @gpu
 @SM90_ONLY
-@pytest.mark.parametrize("case,deterministic", [
-    (case, deterministic) for case in CASES for deterministic in (True, False)
-    if deterministic or case[5] == 128],  # deterministic=False takes head dim 128
-    ids=lambda x: _case_id(x) if isinstance(x, tuple) else ("dq-kernel" if x else "dq-atomic"))
-def test_gradients_match_float64(case, deterministic, rng):
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gradients_match_float64(case, rng):
   b, t, s, n, kh, h, dtype, causal = case
   q, k, v, d_out = _inputs(rng, b, t, s, n, kh, h, dtype)
-  config = dataclasses.replace(mosaic_backward_config(h, dtype), deterministic=deterministic)
-  grads = _grads(q, k, v, d_out, causal=causal, config=config)
+  grads = _grads(q, k, v, d_out, causal=causal)
   _check_grads(grads, q, k, v, d_out, is_causal=causal)
 
 
@@ -267,29 +263,22 @@ def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, chosen):
 
 @CPU_ONLY
 @NEEDS_MOSAIC
-@pytest.mark.parametrize("deterministic", [True, False], ids=["dq-kernel", "dq-atomic"])
 @pytest.mark.parametrize("shape,causal", [((1, 4096, 4096, 12, 2, 128), True), ((2, 300, 257, 4, 2, 64), False),
                                           ((1, 130, 129, 7, 1, 64), True)], ids=["4k-g6", "full-d64", "g7"])
-def test_kernels_lower_for_cuda(shape, causal, deterministic, monkeypatch):
+def test_kernels_lower_for_cuda(shape, causal, monkeypatch):
   """Off the GPU the kernels cannot run, but they trace and lower for CUDA: the dK/dV kernel
-  with its group parts and, with deterministic=False, the dQ reduce-adds."""
+  with its group parts (float32 partial sums) and the dQ kernel."""
   from jaxflash.mosaic import backward
   monkeypatch.setattr(_mosaic, "on_gpu", lambda: True)
   monkeypatch.setattr(backward, "device_info", lambda: H200)
   b, t, s, n, kh, h = shape
-  if not deterministic and h != 128:
-    with pytest.raises(ValueError, match="head dim 128"):
-      mosaic_backward(*(jnp.zeros(x, BF16) for x in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h),
-                                                     (b, t, n, h))), jnp.zeros((b, t, n), F32),
-                      jnp.zeros((b, t, n, h), BF16), config=MosaicBackwardConfig(deterministic=False))
-    return
   q, kv, lse = _struct((b, t, n, h)), _struct((b, s, kh, h)), _struct((b, t, n), F32)
-  config = MosaicBackwardConfig(num_stages=2 if h == 128 else 3, deterministic=deterministic)
+  config = MosaicBackwardConfig(num_stages=2 if h == 128 else 3)
   run = lambda q, k, v, o, lse, do: mosaic_backward(q, k, v, o, lse, do, causal=causal, config=config)
   grads = jax.eval_shape(run, q, kv, kv, q, lse, q)
   assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
   text = jax.jit(run).trace(q, kv, kv, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
-  assert ("mosaic_backward_dq" in text) == deterministic
+  assert "mosaic_backward_dkdv" in text and "mosaic_backward_dq" in text
 
 
 @pytest.mark.parametrize("key_shape,group,causal,splits", [

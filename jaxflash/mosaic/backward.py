@@ -75,9 +75,6 @@ class MosaicBackwardConfig:
   block_q: int = 64
   block_kv: int = 64
   num_stages: int = 2
-  # False: dQ is added into float32 memory by TMA reduce-adds from the dK/dV kernel (five
-  # matrix products a block instead of seven), in an order that varies from call to call.
-  deterministic: bool = True
 
   def __post_init__(self):
     if (self.block_q, self.block_kv) != (64, 64):
@@ -97,9 +94,8 @@ class MosaicBackwardConfig:
     ring_dq = 2 * self.num_stages * self.block_kv
     rows = max(owned_dkv + ring_dkv, owned_dq + ring_dq)
     stats = 2 * 4 * max(self.num_stages, NUM_CONSUMERS) * self.block_q  # LSE and delta
-    partials = 4 * head_dim // 2 * NUM_CONSUMERS * self.block_kv  # float32 staging for TMA stores
-    ds = 0 if self.deterministic else itemsize * NUM_CONSUMERS * self.block_kv * self.block_q
-    return itemsize * head_dim * rows + stats + partials + ds + SMEM_RESERVE
+    partials = 4 * head_dim // 2 * NUM_CONSUMERS * self.block_kv  # dK/dV's float32 way out
+    return itemsize * head_dim * rows + stats + partials + SMEM_RESERVE
 
 
 def mosaic_backward_config(head_dim: int, dtype, info: DeviceInfo | None = None
@@ -209,16 +205,12 @@ def _dkdv_kernel(
     k_smem, v_smem,  # [2 * block_kv, H] SMEM: each consumer's own keys and values
     q_smem, do_smem,  # [stages, block_q, H] SMEM ring
     lse_smem, delta_smem,  # [stages, block_q] float32 SMEM ring
-    out_smem,  # [2, block_kv, H / 2] float32 SMEM: each consumer's staging for TMA stores
+    out_smem,  # [2, block_kv, H / 2] float32 SMEM: each consumer's dK and dV on their way out
     k_loaded, v_loaded,  # [2] barriers: a consumer's K / V tile landed
     q_ready, do_ready, lse_ready, delta_ready,  # [stages] barriers: a slot's TMA landed
     slot_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     *, qk_scale: float, scale: float, causal: bool, block_q: int, block_kv: int,
     num_stages: int, seq_q: int, seq_kv: int, group: int, splits: int,
-    dq_acc_ref=None,  # [B, T_pad, N, H] float32 GMEM, zeros in: dQ / scale, added by TMA
-    ds_smem=None,  # [2 * block_kv, block_q] SMEM: both consumers' dS^T
-    ds_full=None,  # barrier, 2 arrivals: both consumers' dS^T are in ds_smem
-    ds_free=None,  # barrier, 2 arrivals: both consumers' dQ products have read ds_smem
 ):
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
@@ -292,24 +284,11 @@ def _dkdv_kernel(
       delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
-      ds_t = ds_t.astype(dtype)
-      if dq_acc_ref is not None:
-        plgpu.barrier_wait(ds_free)  # the last step's dQ product has read ds_smem
-        ds_smem[own] = ds_t
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_full)
 
       def dk_step(dk_ref_):
-        plgpu.wgmma(dk_ref_, ds_t, q_tile)  # dK += dS^T Q
+        plgpu.wgmma(dk_ref_, ds_t.astype(dtype), q_tile)  # dK += dS^T Q
 
       dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
-      if dq_acc_ref is not None:
-        plgpu.barrier_wait(ds_full)
-        # Each consumer adds its half of the head dim of this step's dQ rows, over both
-        # consumers' keys.
-        cols = pl.ds(wg * (head_dim // NUM_CONSUMERS), head_dim // NUM_CONSUMERS)
-        _add_dq(dq_acc_ref.at[batch, pl.ds(i * block_q, block_q), first_head + head_step, cols],
-                ds_smem, k_smem.at[:, cols], out_smem.at[wg], ds_free)
       plgpu.barrier_arrive(slot_free.at[slot])
       return dk, dv
 
@@ -320,11 +299,6 @@ def _dkdv_kernel(
       return lax.fori_loop(full_lo, hi, whole, carry)
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    if dq_acc_ref is not None:
-      # The dQ products of step -1 (none) have read ds_smem; every step's product reads
-      # both consumers' K.
-      plgpu.barrier_arrive(ds_free)
-      plgpu.barrier_wait(k_loaded.at[1 - wg])
     plgpu.barrier_wait(k_loaded.at[wg])
     plgpu.barrier_wait(v_loaded.at[wg])
     dk, dv = lax.fori_loop(0, heads, head_loop, (zeros, zeros))
@@ -358,26 +332,6 @@ def _dkdv_kernel(
         plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
         plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot],
                                 delta_ready.at[slot])
-
-
-def _add_dq(dq_rows, ds_smem, k_cols, stage, ds_free):
-  """dQ / scale of one query block over the CTA's keys, some of its columns, added into
-  float32 GMEM by a TMA reduce-add (FlashAttention-3's atomic dQ, section 3.3 of its paper):
-  dq_rows [block_q, C] GMEM, ds_smem [keys, block_q] (dS^T of both consumers), k_cols
-  [keys, C], stage [block_q, C] float32 SMEM (this consumer's: its previous add must have
-  read it)."""
-  block_q, columns = stage.shape
-
-  def product(acc):
-    plgpu.wgmma(acc, ds_smem.T, k_cols)  # [block_q, keys] x [keys, C]
-    return acc[...]
-
-  dq = pl.run_scoped(product, plgpu.ACC((block_q, columns), jnp.float32))
-  plgpu.barrier_arrive(ds_free)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read `stage`
-  stage[...] = dq
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(stage, dq_rows, reduction_op="add")
 
 
 def _dq_kernel(
@@ -493,16 +447,6 @@ def _dq_kernel(
       plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
 
-def _kernel(body, *, scratch_types, compiler_params, grid, grid_names, num_threads, thread_name):
-  """plgpu.kernel writing into Refs passed among its operands (inside `pl.run_state`)."""
-  def with_scratch(*refs):
-    pl.run_scoped(functools.partial(body, *refs), *scratch_types, collective_axes=thread_name)
-
-  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads, thread_name=thread_name)
-  return pl.kernel(with_scratch, out_type=(), mesh=mesh, compiler_params=compiler_params,
-                   name=body.__name__)
-
-
 def _check_args(query, key, value, out, lse, d_out):
   _checks.check_qkv(query, key, value)
   _checks.check_same_batch(query, key)
@@ -552,36 +496,16 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardCo
              plgpu.Barrier(num_barriers=NUM_CONSUMERS),
              *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
              plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)]
-  grid = dict(grid=(num_kv_heads * splits, seq_kv_pad // (NUM_CONSUMERS * block_kv), batch),
-              grid_names=("part", "kv_tile", "batch"))
-  if config.deterministic:
-    dkdv = functools.partial(_dkdv_kernel, splits=splits, **common)
-  else:
-    scratch += [plgpu.SMEM((NUM_CONSUMERS * block_kv, block_q), dtype, **swizzled),
-                plgpu.Barrier(num_arrivals=NUM_CONSUMERS), plgpu.Barrier(num_arrivals=NUM_CONSUMERS)]
-
-    def dkdv(*refs):
-      inputs, (acc,), rest = refs[:len(operands)], refs[len(operands):len(operands) + 1], refs[len(operands) + 1:]
-      outputs, scratch_refs = rest[:2], rest[2:]
-      *fixed, ds_smem, ds_full, ds_free = scratch_refs
-      _dkdv_kernel(*inputs, *outputs, *fixed, dq_acc_ref=acc, ds_smem=ds_smem, ds_full=ds_full,
-                   ds_free=ds_free, splits=splits, **common)
+  dkdv = functools.partial(_dkdv_kernel, splits=splits, **common)
   dkdv.__name__ = "mosaic_backward_dkdv"
-  # Parts vary fastest: the first key blocks, which carry the most queries under the causal
-  # mask, launch first.
-  if config.deterministic:
-    dk, dv = plgpu.kernel(dkdv, out_type=(partials, partials), scratch_types=scratch,
-                          compiler_params=params, **grid, **threads)(*operands)
-  else:
-    def run(refs):  # the dQ accumulator starts as zeros and the kernel adds into it
-      _kernel(dkdv, scratch_types=scratch, compiler_params=params, **grid, **threads)(*operands, *refs)
-
-    dq_acc, dk, dv = pl.run_state(run)((jnp.zeros(q.shape, jnp.float32),
-                                        *[jnp.zeros(partials.shape, partials.dtype)] * 2))
+  dk, dv = plgpu.kernel(
+      dkdv, out_type=(partials, partials), scratch_types=scratch, compiler_params=params,
+      # Parts vary fastest: the first key blocks, which carry the most queries under the
+      # causal mask, launch first.
+      grid=(num_kv_heads * splits, seq_kv_pad // (NUM_CONSUMERS * block_kv), batch),
+      grid_names=("part", "kv_tile", "batch"), **threads)(*operands)
   # The parts' float32 partial sums, added in a fixed order.
   dk, dv = (x.reshape(splits, *k.shape).sum(axis=0).astype(dtype) for x in (dk, dv))
-  if not config.deterministic:
-    return (dq_acc * scale).astype(dtype), dk, dv
 
   num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
   dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common)
@@ -633,11 +557,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   if not isinstance(scale, float):
     raise TypeError("the Mosaic backward takes a static float scale")
   config = config or mosaic_backward_config(head_dim, query.dtype)
-  if not config.deterministic and head_dim != 128:
-    # Each consumer adds half of dQ's columns; a 32-column half of a 64-wide swizzled K tile
-    # is not a wgmma operand.
-    raise ValueError(f"MosaicBackwardConfig(deterministic=False) takes head dim 128, got query "
-                     f"{tuple(query.shape)}")
   if 0 in (batch, seq_q, num_heads) or seq_kv == 0:
     return jnp.zeros_like(query), jnp.zeros_like(key), jnp.zeros_like(value)
   if not _mosaic.on_gpu():
