@@ -282,11 +282,10 @@ def _dkdv_kernel(
       dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
       plgpu.barrier_wait(delta_ready.at[slot])
       delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-
+      ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
 
       def dk_step(dk_ref_):
-        plgpu.wgmma(dk_ref_, ds_t.astype(dtype), q_tile)  # dK += dS^T Q
+        plgpu.wgmma(dk_ref_, ds_t, q_tile)  # dK += dS^T Q
 
       dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
       plgpu.barrier_arrive(slot_free.at[slot])
