@@ -220,15 +220,23 @@ def test_backward_error_map_smoke():
 
 
 def test_rounding_emulation_smoke():
-  """The emulation's CPU run: a row per forward policy, errors of bf16's size (a half step of
-  the output's and dQ's largest values, below 1e-2 relative), the Triton policy's dQ on its own
-  output equal to its dQ on the exact output within a factor 2."""
-  from bench.studies import rounding_emulation
-  rows = rounding_emulation.main(["--smoke"])
-  assert [r["policy"] for r in rows] == list(rounding_emulation.POLICIES)
+  """The emulation's CPU run: a row per forward policy with the kernels' dS rounding, then the
+  Mosaic forward's other dS roundings; errors of bf16's size (a half step of the output's and
+  dQ's largest values, below 1e-2 relative), the Triton policy's dQ on its own output equal to
+  its dQ on the exact output within a factor 2, and no dQ worse without dS rounded than with."""
+  from bench.studies import rounding_emulation as emulation
+  rows = emulation.main(["--smoke"])
+  assert [(r["policy"], r["ds_rounding"]) for r in rows] == (
+      [(p, emulation.KERNELS_DS) for p in emulation.POLICIES]
+      + [(emulation.MOSAIC, "bf16, scale folded in"), (emulation.MOSAIC, "none (float32)")])
   for r in rows:
     assert 0 < r["dq_rel"] < 1e-2 and 0 < r["dq_rel_exact_out"] < 1e-2 and 0 < r["out_abs"] < 5e-2, r
+    assert r["dq_at"].startswith("row ")
   assert 0.5 < rows[0]["dq_rel"] / rows[0]["dq_rel_exact_out"] < 2.0, rows[0]
+  mosaic = {r["ds_rounding"]: r["dq_rel"] for r in rows if r["policy"] == emulation.MOSAIC}
+  assert mosaic["none (float32)"] <= mosaic[emulation.KERNELS_DS], mosaic
+  with pytest.raises(SystemExit, match="--starts"):
+    emulation.study_case(emulation.accuracy.Case("peaky", 256, 64), 32, starts=[250])
 
 
 def test_prefill_ab_imports_a_commit_beside_the_tree():

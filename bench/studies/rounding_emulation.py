@@ -10,10 +10,14 @@ before dQ += dS K. This study emulates exactly those roundings in numpy (float32
 bf16 rounding through numpy's bfloat16), key block by key block, on bench.accuracy's bf16 inputs, for
 windows of query rows, and reports the output's and dQ's largest errors against float64 for
 each forward policy, and dQ's with the exact output (rounded to bf16) in place of the
-forward's, which leaves the backward's own rounding alone. What it leaves out: the order of
-the tensor cores' float32 sums, and exp2's approximation.
+forward's, which leaves the backward's own rounding alone. For the Mosaic forward it also
+varies the backward's rounding of dS before dQ += dS K: to bf16 as the kernels do, to bf16
+with the softmax scale folded in first, or none (float32: the rest of the arithmetic's
+floor). What it leaves out: the order of the tensor cores' float32 sums, and exp2's
+approximation.
 
-  python -m bench.studies.rounding_emulation [--cases peaky:16384:128] [--rows 512]   # CPU, ~1 min
+  python -m bench.studies.rounding_emulation [--cases peaky:16384:128] [--rows 512]
+                                             [--starts 4096,14730]             # CPU, ~2 min
   python -m bench.studies.rounding_emulation --smoke
 """
 from __future__ import annotations
@@ -35,6 +39,11 @@ POLICIES = {
     "fixed reference, rounded sums (Mosaic)": (128, True, True),
 }
 BACKWARD_BLOCK = 64
+# dS before the dQ product -> (round to bf16, fold the scale in before the rounding)
+DS_ROUNDINGS = {"bf16 (the kernels')": (True, False), "bf16, scale folded in": (True, True),
+                "none (float32)": (False, False)}
+KERNELS_DS = "bf16 (the kernels')"
+MOSAIC = "fixed reference, rounded sums (Mosaic)"
 
 
 def _bf16(x):
@@ -75,10 +84,12 @@ def emulated_forward(q, k, v, rows, *, block: int, fixed_reference: bool, rounde
   return _bf16(out), ((m + np.log2(sums_f32)) / LOG2_E).astype(np.float32)
 
 
-def emulated_dq(q, k, v, d_out, out, lse, rows):
-  """The backwards' dQ arithmetic -> dq [R, d] rounded to bf16."""
+def emulated_dq(q, k, v, d_out, out, lse, rows, ds_rounding: str = KERNELS_DS):
+  """The backwards' dQ arithmetic (dS rounded as DS_ROUNDINGS[ds_rounding] says) -> dq [R, d]
+  rounded to bf16."""
   d = q.shape[1]
   scale = np.float32(d ** -0.5)
+  rounded, scale_first = DS_ROUNDINGS[ds_rounding]
   delta = (d_out * out).sum(axis=1).astype(np.float32)
   lse2 = (lse * LOG2_E).astype(np.float32)
   dq = np.zeros_like(q)
@@ -87,8 +98,10 @@ def emulated_dq(q, k, v, d_out, out, lse, rows):
     visible = _visible(rows, start, len(k_blk))
     p = np.where(visible, np.exp2((q @ k_blk.T) * scale * LOG2_E - lse2[:, None]), 0).astype(np.float32)
     ds = p * (d_out @ v_blk.T - delta[:, None])
-    dq += _bf16(ds) @ k_blk
-  return _bf16(dq * scale)
+    if scale_first:
+      ds = ds * scale
+    dq += (_bf16(ds) if rounded else ds) @ k_blk
+  return _bf16(dq if scale_first else dq * scale)
 
 
 def exact(q, k, v, d_out, rows):
@@ -104,12 +117,17 @@ def exact(q, k, v, d_out, rows):
   return p @ v, ds @ k * q.shape[1] ** -0.5
 
 
-def study_case(case: accuracy.Case, num_rows: int) -> list[dict]:
-  """Rows of the case's queries [n/4, n/2 and the last windows of num_rows], every head."""
+def study_case(case: accuracy.Case, num_rows: int, starts=None) -> list[dict]:
+  """Rows of the case's queries (windows of num_rows from each of `starts`; default n/4, n/2
+  and the last), every head: one row per forward policy with the kernels' dS rounding, and
+  for the Mosaic forward one per other dS rounding."""
   q, k, v, d_out = (np.asarray(x, np.float32) for x in accuracy.make_inputs(case))
-  starts = sorted({case.n // 4, case.n // 2, case.n - num_rows})
+  starts = sorted(set(starts or (case.n // 4, case.n // 2, case.n - num_rows)))
+  if not all(0 <= s_ <= case.n - num_rows for s_ in starts):
+    raise SystemExit(f"--starts: windows of {num_rows} rows must fit in n = {case.n}, got {starts}")
   group = case.heads // case.kv_heads
-  worst = {name: {"out": 0.0, "dq": 0.0, "dq_exact_out": 0.0} for name in POLICIES}
+  variants = [(name, KERNELS_DS) for name in POLICIES] + [(MOSAIC, r) for r in DS_ROUNDINGS if r != KERNELS_DS]
+  worst = {v_: {"out": 0.0, "dq": 0.0, "dq_exact_out": 0.0, "at": None} for v_ in variants}
   dq_max = 0.0
   for head in range(case.heads):
     for start in starts:
@@ -118,17 +136,24 @@ def study_case(case: accuracy.Case, num_rows: int) -> list[dict]:
       kh, vh = k[0, :, head // group], v[0, :, head // group]
       out64, dq64 = exact(qh, kh, vh, doh, rows)
       dq_max = max(dq_max, float(np.abs(dq64).max()))
-      for name, (block, fixed, rounded) in POLICIES.items():
-        out, lse = emulated_forward(qh, kh, vh, rows, block=block, fixed_reference=fixed, rounded_sums=rounded)
-        dq = emulated_dq(qh, kh, vh, doh, out, lse, rows)
-        dq_exact_out = emulated_dq(qh, kh, vh, doh, _bf16(out64.astype(np.float32)), lse, rows)
-        w = worst[name]
+      forwards = {}
+      for name, ds_rounding in variants:
+        if name not in forwards:
+          block, fixed, rounded = POLICIES[name]
+          forwards[name] = emulated_forward(qh, kh, vh, rows, block=block, fixed_reference=fixed,
+                                            rounded_sums=rounded)
+        out, lse = forwards[name]
+        error = np.abs(emulated_dq(qh, kh, vh, doh, out, lse, rows, ds_rounding) - dq64)
+        dq_exact_out = emulated_dq(qh, kh, vh, doh, _bf16(out64.astype(np.float32)), lse, rows, ds_rounding)
+        w = worst[(name, ds_rounding)]
         w["out"] = max(w["out"], float(np.abs(out - out64).max()))
-        w["dq"] = max(w["dq"], float(np.abs(dq - dq64).max()))
+        if error.max() > w["dq"]:
+          w["dq"], w["at"] = float(error.max()), (int(rows[error.max(axis=1).argmax()]), head)
         w["dq_exact_out"] = max(w["dq_exact_out"], float(np.abs(dq_exact_out - dq64).max()))
   return [{"case": case.name, "n": case.n, "d": case.d, "rows": num_rows * len(starts) * case.heads,
-           "policy": name, "out_abs": w["out"], "dq_rel": w["dq"] / dq_max,
-           "dq_rel_exact_out": w["dq_exact_out"] / dq_max} for name, w in worst.items()]
+           "policy": name, "ds_rounding": ds_rounding, "out_abs": w["out"], "dq_rel": w["dq"] / dq_max,
+           "dq_at": f"row {w['at'][0]}, head {w['at'][1]}", "dq_rel_exact_out": w["dq_exact_out"] / dq_max}
+          for (name, ds_rounding), w in worst.items()]
 
 
 def main(argv=None):
@@ -136,25 +161,30 @@ def main(argv=None):
   p.add_argument("--cases", default="peaky:16384:128,peaky:4096:128",
                  help="kind:n:d, comma-separated (bench.accuracy's input classes)")
   p.add_argument("--rows", type=int, default=512, help="query rows a window")
+  p.add_argument("--starts", default=None,
+                 help="first query position of each window, comma-separated (default n/4, n/2, the last)")
   args = p.parse_args(argv)
+  starts = None if args.starts is None else [int(x) for x in args.starts.split(",")]
   limit = TimeLimit(args.time_limit_s)
   cases = [accuracy.Case("peaky", 256, 64)] if args.smoke else accuracy.parse_cases(args.cases)
   num_rows = 32 if args.smoke else args.rows
   out_dir = smoke_out_dir("rounding_emulation") if args.smoke else (args.out or STUDIES_DIR)
   meta = env_metadata()
-  meta["title"] = "The forward's rounding policies and dQ's error, emulated in numpy"
+  meta["title"] = "The forward's rounding policies, the backward's dS rounding and dQ's error, emulated in numpy"
   rows, notes = [], []
   for case in cases:
     if limit.exhausted():
       notes.append(f"{case.name} n={case.n} d={case.d}: skipped (time limit)")
       continue
-    rows += study_case(case, num_rows)
-    for r in rows[-len(POLICIES):]:
-      log(f"{case.name} n={case.n} d={case.d} {r['policy']:40s} out {r['out_abs']:.2e} "
-          f"dq {r['dq_rel']:.2e} dq on the exact output {r['dq_rel_exact_out']:.2e}")
+    case_rows = study_case(case, num_rows, None if args.smoke else starts)
+    rows += case_rows
+    for r in case_rows:
+      log(f"{case.name} n={case.n} d={case.d} {r['policy']:40s} dS {r['ds_rounding']:22s} out "
+          f"{r['out_abs']:.2e} dq {r['dq_rel']:.2e} ({r['dq_at']}) on the exact output {r['dq_rel_exact_out']:.2e}")
   write_results("rounding_emulation", rows, meta,
                 [("case", "case"), ("n", "n"), ("d", "d"), ("rows", "query rows"), ("policy", "forward"),
-                 ("out_abs", "output max abs err", "{:.2e}"), ("dq_rel", "dQ max err / max |dQ|", "{:.2e}"),
+                 ("ds_rounding", "dS before dS K"), ("out_abs", "output max abs err", "{:.2e}"),
+                 ("dq_rel", "dQ max err / max |dQ|", "{:.2e}"), ("dq_at", "where"),
                  ("dq_rel_exact_out", "dQ on the exact output", "{:.2e}")],
                 out_dir=out_dir, notes=notes)
   return rows
