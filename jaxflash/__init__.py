@@ -26,6 +26,7 @@ __all__ = [
     "prefill_config", "decode_config", "num_splits", "DeviceInfo", "device_info",
     "skinny_matmul", "LinearConfig", "kv_cache_write", "qkv_projection", "add_rms_norm",
     "SplitKV", "project_split_kv", "BackwardConfig", "backward_config", "PREFILL_IMPLEMENTATIONS",
-    "MosaicPrefillConfig", "MosaicBackwardConfig", "mosaic_prefill_config", "mosaic_reason", "quantize_kv", "dequantize_kv",
+    "MosaicPrefillConfig", "MosaicBackwardConfig", "mosaic_prefill_config", "mosaic_reason",
+    "quantize_kv", "dequantize_kv",
 ]
 __version__ = "0.1.0"

@@ -285,9 +285,9 @@ def mosaic_reason(query: Array, key: Array, value: Array, query_seq_lengths: Len
                   scale: Scale = None, mods: ScoreMods = ScoreMods(), forced: bool = False,
                   segment_ids: Array | None = None, kv_segment_ids: Array | None = None) -> str | None:
   """None when the Mosaic GPU prefill serves this call (what `implementation=None` then
-  picks on sm_90, over caches or page pools), else why not: one-token decode (unless `forced`), a traced
-  scale, a top-left causal mask that differs from the bottom-right one the kernel computes,
-  the options it lacks (`jaxflash.mosaic.supports`), or no Hopper GPU."""
+  picks on sm_90, over caches or page pools), else why not: one-token decode (unless
+  `forced`), a traced scale, a top-left causal mask that differs from the bottom-right one
+  the kernel computes, the options it lacks (`jaxflash.mosaic.supports`), or no Hopper GPU."""
   from jaxflash.mosaic import supports
   if not forced and _decode_semantics(query, query_seq_lengths, mods):
     return "one query token per sequence runs on the split-KV decode kernels"
@@ -393,7 +393,7 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     return out[0] if unbatched else out
   elif implementation == "mosaic" and paged:
     # Chunks over a page pool: the Mosaic prefill copies each key block from its pages in
-    # place (bench/results paged_prefill.md: within 1.1x of its contiguous call).
+    # place (within 1.1x of its contiguous call: bench/studies/results/h100/paged_prefill.md).
     from jaxflash.mosaic import prefill_attention as mosaic_prefill
     kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
                                local_window_size=mods.window, return_residual=True)

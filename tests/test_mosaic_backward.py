@@ -350,3 +350,23 @@ def test_vmap_joins_the_batch(rng):
   for got, want in zip(batched, single):
     np.testing.assert_allclose(np.asarray(got[0].astype(F32)), np.asarray(want.astype(F32)),
                                rtol=2.0**-7, atol=0)
+
+
+@CPU_ONLY
+def test_a_mosaic_backward_config_asks_for_the_mosaic_backward():
+  """backward_config=MosaicBackwardConfig() picks the Mosaic backward: refused (TypeError)
+  with backward_implementation="triton" or after the Triton forward, and where the Mosaic
+  backward cannot serve (here: no GPU) a ValueError says why."""
+  import jaxflash
+  from jaxflash import vjp
+  from jaxflash.score_mods import ScoreMods
+  q, kv = jnp.zeros((1, 8, 2, 64), BF16), jnp.zeros((1, 8, 1, 64), BF16)
+  config = MosaicBackwardConfig()
+  with pytest.raises(TypeError, match="MosaicBackwardConfig"):
+    jaxflash.prefill_attention(q, kv, kv, implementation="triton", backward_config=config)
+  choose = lambda implementation: vjp.choose_backward(implementation, q, kv, kv, vjp.Options(),
+                                                      mods=ScoreMods(), static_scale=0.125, config=config)
+  with pytest.raises(TypeError, match="backward_implementation='triton' does not take"):
+    choose("triton")
+  with pytest.raises(ValueError, match="a MosaicBackwardConfig cannot serve this call: .*GPU"):
+    choose(None)

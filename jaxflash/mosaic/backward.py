@@ -145,14 +145,19 @@ def backward_reason(query, key, value, *, info: DeviceInfo | None = None, is_cau
   return None
 
 
+def _key_blocks(key_shape, config: MosaicBackwardConfig) -> int:
+  """(NUM_CONSUMERS * block_kv keys, KV head, sequence) blocks of keys [B, S, K, H]."""
+  batch, seq_kv, kv_heads = key_shape[0], key_shape[1], key_shape[2]
+  return batch * kv_heads * -(-seq_kv // (NUM_CONSUMERS * config.block_kv))
+
+
 def head_splits(key_shape, group: int, config: MosaicBackwardConfig, *, causal: bool,
                 sm_count: int) -> int:
   """Parts each KV head's group of `group` query heads is split into for keys [B, S, K, H]:
   the fewest (a divisor of the group) that give the dK/dV kernel a CTA per SM, two under a
   causal mask, where the first key blocks see the most queries (each part's partial sums
   cost 8 bytes a key and head dim in HBM, written and read once)."""
-  batch, seq_kv, kv_heads = key_shape[0], key_shape[1], key_shape[2]
-  blocks = batch * kv_heads * -(-seq_kv // (NUM_CONSUMERS * config.block_kv))
+  blocks = _key_blocks(key_shape, config)
   wanted = (2 if causal else 1) * sm_count
   return next((s for s in range(1, group + 1) if group % s == 0 and blocks * s >= wanted), group)
 
@@ -161,9 +166,8 @@ def dkv_programs(key_shape, group: int, config: MosaicBackwardConfig, *, causal:
                  sm_count: int) -> int:
   """CTAs of the dK/dV kernel for keys [B, S, K, H]: one per (NUM_CONSUMERS * block_kv
   keys, part of a KV head's group, sequence)."""
-  batch, seq_kv, kv_heads = key_shape[0], key_shape[1], key_shape[2]
-  blocks = batch * kv_heads * -(-seq_kv // (NUM_CONSUMERS * config.block_kv))
-  return blocks * head_splits(key_shape, group, config, causal=causal, sm_count=sm_count)
+  return _key_blocks(key_shape, config) * head_splits(key_shape, group, config, causal=causal,
+                                                       sm_count=sm_count)
 
 
 def _swizzled(itemsize: int = 2):
