@@ -391,29 +391,27 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
     out = _cudnn(query, key, value, q_lengths, kv_lengths, block_table, mods=mods,
                  scale=static_scale, return_residual=return_residual, **options)
     return out[0] if unbatched else out
-  elif implementation == "mosaic" and paged:
-    # Chunks over a page pool: the Mosaic prefill copies each key block from its pages in
-    # place (within 1.1x of its contiguous call: bench/studies/results/h100/paged_prefill.md).
-    from jaxflash.mosaic import prefill_attention as mosaic_prefill
-    kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
-                               local_window_size=mods.window, return_residual=True)
-    run = _not_differentiable(lambda *arrays: sharding.paged_prefill(
-        lambda q, kp, vp, kl, table, ql: kernel(q, kp, vp, ql, kl, block_table=table), *arrays),
-        "paged prefill (block_table)")
-    result = run(query, key, value, kv_lengths, block_table, q_lengths)
   elif implementation == "mosaic":
     from jaxflash.mosaic import prefill_attention as mosaic_prefill
     kernel = functools.partial(mosaic_prefill, scale=static_scale, is_causal=mods.is_causal,
                                local_window_size=mods.window, return_residual=True)
-    # The Mosaic forward, differentiated by the backward vjp.choose_backward picks
-    # (mosaic_reason let only bottom-right semantics here).
-    result = _differentiable(
-        lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths,
-                                               **_segment_kwargs(o)),
-        query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
-                                       kv_segment_ids=kv_segment_ids), mods=mods,
-        backward_implementation=backward_implementation,
-        static_scale=static_scale)
+    if paged:
+      # Chunks over a page pool: the kernel copies each key block from its pages in place
+      # (within 1.1x of its contiguous call: bench/studies/results/h100/paged_prefill.md).
+      run = _not_differentiable(lambda *arrays: sharding.paged_prefill(
+          lambda q, kp, vp, kl, table, ql: kernel(q, kp, vp, ql, kl, block_table=table), *arrays),
+          "paged prefill (block_table)")
+      result = run(query, key, value, kv_lengths, block_table, q_lengths)
+    else:
+      # The Mosaic forward, differentiated by the backward vjp.choose_backward picks
+      # (mosaic_reason let only bottom-right semantics here).
+      result = _differentiable(
+          lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths,
+                                                 **_segment_kwargs(o)),
+          query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
+                                         kv_segment_ids=kv_segment_ids), mods=mods,
+          backward_implementation=backward_implementation,
+          static_scale=static_scale)
   elif own_kernels and static_scale is not None and _decode_semantics(query, q_lengths, mods):
     # Only the options given reach the decode kernels (each a keyword they take): the
     # arrays as operands, the static ones bound here.
