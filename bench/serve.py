@@ -372,9 +372,17 @@ def columns():
 def main(argv=None):
   p = bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", time_limit_s=1500.0,
                       quick="two rates (light and past saturation), 32 and 256 slots")
+  p.add_argument("--systems", default=None, help="comma-separated systems to run (default all): "
+                 + ", ".join(LABELS))
+  p.add_argument("--slots", default=None, help="comma-separated slot counts (default the shape's)")
   args = p.parse_args(argv)
   budget = TimeLimit(args.time_limit_s)
   shape = SMOKE if args.smoke else (QUICK if args.quick else FULL)
+  if args.slots:
+    shape = dataclasses.replace(shape, slots=tuple(int(n) for n in args.slots.split(",")))
+  systems = set(args.systems.split(",")) if args.systems else set(LABELS)
+  if systems - set(LABELS):
+    p.error(f"--systems takes {', '.join(LABELS)}, got {', '.join(sorted(systems - set(LABELS)))}")
   out_dir = smoke_out_dir("serve") if args.smoke else Path(args.out or RESULTS_DIR)
   meta = env_metadata()
   log(f"serve benchmark on {meta['device']} ({meta['backend']})")
@@ -393,6 +401,7 @@ def main(argv=None):
             for system in ("engine", "engine_no_prefix", "static")]
   cells += [("sharegpt", rate, shape.slots[0], system) for rate in shape.rates
             for system in ("engine_no_chunking", "engine_no_prefix")]
+  cells = [cell for cell in cells if cell[3] in systems]
   rows = []
   notes = ["compiles: the compilations a run's warm-up added (engines and samplers of one model "
            "share their compiled steps, so later runs reuse the earlier ones: 0)",

@@ -12,7 +12,6 @@ cancelled and a new one submitted before each).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 
 from bench.cli import log
 from bench.environment import env_metadata
-from bench.studies.profile_step import op_scopes, scope_of
+from bench.studies.profile_step import group_kernels, op_scopes
 from bench.timing import has_gpu, profile_trace
 from bench.trace import gpu_kernel_events
 from models.serving.engine import _InFlight
@@ -88,21 +87,8 @@ def _profile(engine, run_dispatch, count: int, recorders) -> dict:
   for r in recorders:
     if r.last is not None:
       scopes.update(op_scopes(r.hlo()))
-  by_scope = collections.defaultdict(lambda: [0.0, 0.0])
-  by_kernel = collections.defaultdict(lambda: [0.0, 0.0])
-  for e in events:
-    op = str(e.get("args", {}).get("hlo_op", ""))
-    for table, key in ((by_scope, scope_of(scopes.get(op, op))), (by_kernel, e["name"][:90])):
-      table[key][0] += float(e["dur"]) / count
-      table[key][1] += 1 / count
-  busy = sum(v[0] for v in by_scope.values()) / 1e3
-  span = ((float(events[-1]["ts"]) + float(events[-1]["dur"]) - float(events[0]["ts"])) / count / 1e3
-          if events else None)
   return dict(wall_ms=wall * 1e3, host_ms=host * 1e3, jit_dispatch_ms=dispatch * 1e3,
-              device_busy_ms=busy, device_span_ms=span,
-              by_scope={k: dict(us=v[0], kernels=v[1]) for k, v in sorted(by_scope.items(), key=lambda kv: -kv[1][0])},
-              by_kernel={k: dict(us=v[0], kernels=v[1]) for k, v in
-                         sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:40]})
+              **group_kernels(events, scopes, count, top=40))
 
 
 def main(argv=None):

@@ -60,14 +60,34 @@ def op_scopes(hlo_text: str) -> dict:
 
 
 def scope_of(op_name: str) -> str:
-  """'jit(decode)/decode/layer_3/attention/qkv_projection/dot_general' -> 'attention/qkv_projection'."""
-  parts = [p for p in op_name.split("/") if not p.startswith(("jit(", "pjit", "decode"))]
-  parts = ["layer" if re.fullmatch(r"layer_\d+", p) else p for p in parts]
-  if parts and parts[0] == "layer":
-    parts = parts[1:3]
-  else:
-    parts = parts[:2]
-  return "/".join(parts) or "?"
+  """'jit(decode)/decode/layer_3/attention/qkv_projection/dot_general' -> 'attention/qkv_projection'
+  (a serving step's prefill chunks: 'prefill/attention/...')."""
+  wrappers = ("jit(", "pjit", "decode", "while", "body", "cond", "branch", "checkpoint")
+  parts = [p for p in op_name.split("/") if not p.startswith(wrappers)]
+  prefix = "prefill/" if "prefill_chunks" in parts else ""
+  parts = [p for p in parts if p != "prefill_chunks"]
+  for i, part in enumerate(parts):
+    if re.fullmatch(r"layer_\d+", part):
+      return prefix + "/".join(parts[i + 1:i + 3])
+  return prefix + "/".join(parts[:2]) or "?"
+
+
+def group_kernels(events: list[dict], scopes: dict, calls: int, top: int = 60) -> dict:
+  """A profile's GPU kernel events over `calls` calls, per call: total busy time and span,
+  and time and count by named scope (`scopes`: op_scopes of the calls' HLO) and by kernel."""
+  by_scope = collections.defaultdict(lambda: [0.0, 0.0])
+  by_kernel = collections.defaultdict(lambda: [0.0, 0.0])
+  for e in events:
+    op = str(e.get("args", {}).get("hlo_op", ""))
+    for table, key in ((by_scope, scope_of(scopes.get(op, op))), (by_kernel, e["name"][:90])):
+      table[key][0] += float(e["dur"]) / calls
+      table[key][1] += 1 / calls
+  span = ((float(events[-1]["ts"]) + float(events[-1]["dur"]) - float(events[0]["ts"])) / calls / 1e3
+          if events else None)
+  ranked = lambda table, n: {k: {"us": v[0], "kernels": v[1]}
+                             for k, v in sorted(table.items(), key=lambda kv: -kv[1][0])[:n]}
+  return dict(device_busy_ms=sum(v[0] for v in by_scope.values()) / 1e3, device_span_ms=span,
+              by_scope=ranked(by_scope, len(by_scope)), by_kernel=ranked(by_kernel, top))
 
 
 def gemv_rates(hidden: int, intermediate: int, q_out: int, kv_out: int, copies: int,
@@ -182,22 +202,10 @@ def main(argv=None):
   hlo = sampler.steps.decode.lower(sampler.params, box[0], eos, sampling=greedy,
                                    attention_impl=sampler.attention_impl,
                                    plan=sampler.plan).compile().as_text()
-  scopes = op_scopes(hlo)
-  by_scope = collections.defaultdict(lambda: [0.0, 0])
-  by_kernel = collections.defaultdict(lambda: [0.0, 0])
-  for e in events:
-    op = str(e.get("args", {}).get("hlo_op", ""))
-    scope = scope_of(scopes.get(op, op))
-    by_scope[scope][0] += float(e["dur"]) / profiled
-    by_scope[scope][1] += 1 / profiled
-    by_kernel[e["name"][:90]][0] += float(e["dur"]) / profiled
-    by_kernel[e["name"][:90]][1] += 1 / profiled
-  span = ((float(events[-1]["ts"]) + float(events[-1]["dur"]) - float(events[0]["ts"])) / profiled
-          if events else None)
-  total = sum(v[0] for v in by_scope.values())
+  grouped = group_kernels(events, op_scopes(hlo), profiled)
   summary = dict(blocked_ms=float(np.median(blocked)), pipelined_ms=pipelined, dispatch_ms=dispatch,
-                 device_ms=total / 1e3, span_ms=span / 1e3 if span else None,
-                 kernels=sum(v[1] for v in by_scope.values()))
+                 device_ms=grouped["device_busy_ms"], span_ms=grouped["device_span_ms"],
+                 kernels=sum(v["kernels"] for v in grouped["by_scope"].values()))
   # The host cost of dispatching a jitted call with as many arguments, doing nothing.
   trivial = jax.jit(lambda *a: a[0] + 1)
   many = [jnp.ones((4,), jnp.float32) for _ in range(len(sampler.params) + 64)]
@@ -207,10 +215,7 @@ def main(argv=None):
     trivial(*many)
   summary["trivial_dispatch_ms"] = (time.perf_counter() - t0) * 1e3 / 50
   report["step"] = summary
-  report["by_scope"] = {k: {"us": v[0], "kernels": v[1]} for k, v in
-                        sorted(by_scope.items(), key=lambda kv: -kv[1][0])}
-  report["by_kernel"] = {k: {"us": v[0], "kernels": v[1]} for k, v in
-                         sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:60]}
+  report["by_scope"], report["by_kernel"] = grouped["by_scope"], grouped["by_kernel"]
   if args.out:
     args.out.mkdir(parents=True, exist_ok=True)
     off = "".join(f"_no_{flag}" for flag in off)
