@@ -308,7 +308,7 @@ def run_engine(label, model, impl, shape, trace, slots):
                   token_budget=shape.token_budget, prefill_lanes=2, min_chunk=shape.min_chunk,
                   attention_impl=impl, **ENGINES[label])
   start = time.perf_counter()
-  engine.warm_up()
+  engine.warm_up(sampling=False)  # the traces' requests are greedy
   # A few requests first (a prompt per chunk bucket, tokens the traces never use): the
   # first real run of each step is slow (~80 ms on the CPU) even once compiled; not in the clock.
   vocab = model.config.vocab_size

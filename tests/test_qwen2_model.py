@@ -406,6 +406,26 @@ def test_decode_step_returns_its_inputs_buffers(model):
   assert _donated_outputs(compiled.as_text()) == len(jax.tree.leaves(after))
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.7), SamplingParams(0.7, top_k=5)],
+                         ids=lambda p: p.mode)
+def test_decode_steps_branch_on_no_device_value(model, sampling):
+  """XLA:GPU runs a `lax.cond` or a data-dependent while loop by copying its predicate to
+  the host and waiting, which makes a dispatch synchronous: the generate loop's steps hold
+  neither (the sampling mode is static, the multi-step loop a scan of a fixed count), and
+  only the filtered mode ranks the vocabulary."""
+  from tests.jaxprs import HOST_SYNCING, primitives_outside_kernels
+  sampler = qwen2.Sampler(model, cache="paged", page_size=8, attention_impl="xla")
+  eos = jnp.asarray([-1], jnp.int32)
+  state = _prefilled(sampler, eos)
+  settings = dict(sampling=sampling.as_arrays(), attention_impl="xla")
+  traced = [sampler.steps.decode.trace(sampler.params, state, eos, **settings),
+            sampler.steps.decode_steps.trace(sampler.params, state, jnp.zeros((3, 2), jnp.int32),
+                                             jnp.int32(2), eos, **settings)]
+  for names in (primitives_outside_kernels(t.jaxpr.jaxpr) for t in traced):
+    assert not names & HOST_SYNCING, names & HOST_SYNCING
+    assert ("top_k" in names) == (sampling.mode == "filtered"), names
+
+
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_several_steps_per_call_give_the_single_step_tokens(model, cache):
   """The generate loop runs `steps_per_call` decode steps per dispatch. Six new tokens with

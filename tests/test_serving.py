@@ -21,6 +21,8 @@ import models.qwen2 as qwen2
 from models.qwen2.allocator import OutOfPagesError, PageAllocator
 from models.serving import Engine, PrefixCache, page_keys
 from models.serving.sampling import row_keys, sample_rows
+from models.serving.step import any_sampled, sampling_row
+from tests.jaxprs import HOST_SYNCING, primitives_outside_kernels
 
 NEW = 6
 
@@ -298,12 +300,45 @@ def test_sample_rows_per_row_settings():
   logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 50)), jnp.float32)
   keys = row_keys(jnp.asarray([1, 1, 2, 3], jnp.uint32), jnp.asarray([0, 0, 0, 5], jnp.int32))
   temperature = jnp.asarray([0.0, 1.0, 1.0, 1.0])
-  out = sample_rows(logits, keys, temperature, jnp.asarray([0, 1, 0, 3]), jnp.asarray([1.0, 1.0, 1e-6, 1.0]))
+  top_k, top_p = jnp.asarray([0, 1, 0, 3]), jnp.asarray([1.0, 1.0, 1e-6, 1.0])
+  out = sample_rows(logits, keys, temperature, top_k, top_p, sampled=True)
   best = np.argmax(np.asarray(logits), axis=-1)
   assert out[0] == best[0] and out[1] == best[1] and out[2] == best[2]  # greedy, top-1, tiny top-p
   assert out[3] in np.argsort(-np.asarray(logits[3]))[:3]
-  again = sample_rows(logits, keys, temperature, jnp.asarray([0, 1, 0, 3]), jnp.asarray([1.0, 1.0, 1e-6, 1.0]))
+  again = sample_rows(logits, keys, temperature, top_k, top_p, sampled=True)
   np.testing.assert_array_equal(out, again)
+  # The greedy trace (sampled False) and a sampled trace of an all-greedy table agree.
+  zero = jnp.zeros_like(temperature)
+  np.testing.assert_array_equal(sample_rows(logits, keys, zero, top_k, top_p, sampled=False), best)
+  np.testing.assert_array_equal(sample_rows(logits, keys, zero, top_k, top_p, sampled=True), best)
+
+
+def test_any_sampled_reads_the_temperature_column():
+  greedy = np.stack([sampling_row(1, 0.0, 5, 0.9, 3), sampling_row(2, 0.0, 0, 1.0, 4)])
+  assert not any_sampled(greedy)
+  assert any_sampled(np.concatenate([greedy, sampling_row(3, 0.25, 0, 1.0, 1)[None]]))
+
+
+def test_engine_steps_branch_on_no_device_value(model):
+  """XLA:GPU runs a `lax.cond` or a data-dependent while loop by copying its predicate to
+  the host and waiting for it, which would make every dispatch synchronous: the steps hold
+  neither (the multi-step decode is a scan of a fixed count), and a greedy step traces no
+  sampler."""
+  engine = _engine(model, decode_steps=3)
+  slots, lanes = engine.max_slots, engine.prefill_lanes
+  vector = lambda n: jnp.zeros((n,), jnp.int32)
+  inputs = (engine.params, engine.cache, engine.workspace, engine._previous_tokens, vector(slots),
+            vector(slots))
+  prefill = (jnp.zeros((lanes, 16), jnp.int32), vector(lanes), vector(lanes), vector(lanes))
+  for sampled in (False, True):
+    settings = dict(sampled=sampled, attention_impl=engine.attention_impl)
+    step = engine._step.trace(*inputs, vector(slots), vector(slots), prefill, engine._sampling,
+                              **settings).jaxpr.jaxpr
+    steps = engine._decode_steps.trace(*inputs, vector(slots), vector(slots), engine._sampling,
+                                       num_steps=3, **settings).jaxpr.jaxpr
+    for names in map(primitives_outside_kernels, (step, steps)):
+      assert not names & HOST_SYNCING, names & HOST_SYNCING
+      assert ("sort" in names) == sampled
 
 
 def test_generate_command_serves_a_requests_file(tmp_path, capsys):

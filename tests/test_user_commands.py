@@ -139,23 +139,28 @@ def tiny_model():
   return qwen2.random_model(Qwen2Config.tiny(), seed=0)
 
 
-def test_stream_stops_only_on_true_and_sampling_never_recompiles(tiny_model):
+def test_stream_stops_only_on_true_and_sampling_values_never_recompile(tiny_model):
   """A callback returning a truthy non-True value (tqdm's update() returns True only when
-  it redraws; 1, "yes") goes on; exactly True stops. New temperature / top-k / top-p
-  values reuse the compiled steps: one compilation for the prompt bucket."""
+  it redraws; 1, "yes") goes on; exactly True stops. Each sampling mode (greedy, plain,
+  filtered by top-k / top-p) compiles once for the prompt bucket; new temperature / top-k /
+  top-p values reuse it."""
   sampler = qwen2.Sampler(tiny_model, attention_impl="xla")
   prompts = [[5, 6, 7], [8, 9]]
   full = sampler(prompts, 4, eos_token_id=()).tokens
   assert [len(t) for t in full] == [4, 4]
-  sizes = (sampler.steps.prefill._cache_size(), sampler.steps.decode_steps._cache_size())
   assert sampler(prompts, 4, eos_token_id=(), stream=lambda _: 1).tokens == full
   assert sampler(prompts, 4, eos_token_id=(), stream=lambda _: "yes").tokens == full
   assert sampler(prompts, 4, eos_token_id=(), stream=lambda _: True).tokens == [t[:1] for t in full]
-  for options in (dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=0.9, top_p=0.8),
-                  dict(temperature=2.0, top_k=3, top_p=0.5), dict(temperature=1, seed=3)):
+  sizes = lambda: (sampler.steps.prefill._cache_size(), sampler.steps.decode_steps._cache_size())
+  assert sizes() == (1, 1)
+  for options in (dict(temperature=0.7), dict(temperature=1.3, top_k=5)):  # plain, filtered
+    sampler(prompts, 4, eos_token_id=(), **options)
+  assert sizes() == (3, 3)
+  for options in (dict(temperature=0.9, top_p=0.8), dict(temperature=2.0, top_k=3, top_p=0.5),
+                  dict(temperature=1, seed=3)):
     tokens = sampler(prompts, 4, eos_token_id=(), **options).tokens
     assert [len(t) for t in tokens] == [4, 4]
-  assert (sampler.steps.prefill._cache_size(), sampler.steps.decode_steps._cache_size()) == sizes
+  assert sizes() == (3, 3)
 
 
 def test_save_pretrained_round_trip(tiny_model, tmp_path):

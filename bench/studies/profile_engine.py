@@ -12,7 +12,9 @@ cancelled and a new one submitted before each).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -33,14 +35,19 @@ def _shapes(tree):
 
 
 class _Recorder:
-  """Wraps a jitted engine function: keeps the argument shapes of its last call (to lower
-  it for the op -> scope table) and the host seconds spent dispatching it."""
+  """Wraps a jitted engine function: keeps the argument shapes of its first call since
+  `reset` (to lower it for the op -> scope table; taken once, since walking the ~400
+  arguments costs milliseconds of host time) and the host seconds spent dispatching it."""
 
   def __init__(self, fn):
     self.fn, self.last, self.seconds = fn, None, 0.0
 
+  def reset(self):
+    self.last, self.seconds = None, 0.0
+
   def __call__(self, *args, **kwargs):
-    self.last = (_shapes(args), kwargs)
+    if self.last is None:
+      self.last = (_shapes(args), kwargs)
     t0 = time.perf_counter()
     out = self.fn(*args, **kwargs)
     self.seconds += time.perf_counter() - t0
@@ -69,7 +76,7 @@ def _profile(engine, run_dispatch, count: int, recorders) -> dict:
   for _ in range(2):  # any small update's first size compiles here
     run_dispatch()
   for r in recorders:
-    r.seconds = 0.0
+    r.reset()
   waits = []
   _InFlight.values, plain = _timed_values(waits), _InFlight.values
   try:
@@ -81,6 +88,7 @@ def _profile(engine, run_dispatch, count: int, recorders) -> dict:
     _InFlight.values = plain
   host = wall - sum(waits) / count
   dispatch = sum(r.seconds for r in recorders) / count
+  host_functions = _host_functions(run_dispatch, count)
   trace = profile_trace(lambda: [run_dispatch() for _ in range(count)])
   events = gpu_kernel_events(trace) if trace else []
   scopes = {}
@@ -88,7 +96,19 @@ def _profile(engine, run_dispatch, count: int, recorders) -> dict:
     if r.last is not None:
       scopes.update(op_scopes(r.hlo()))
   return dict(wall_ms=wall * 1e3, host_ms=host * 1e3, jit_dispatch_ms=dispatch * 1e3,
-              **group_kernels(events, scopes, count, top=40))
+              **group_kernels(events, scopes, count, top=40), host_functions=host_functions)
+
+
+def _host_functions(run_dispatch, count: int, top: int = 25) -> dict:
+  """The host's Python functions over `count` dispatches under cProfile: ms per dispatch
+  in each (own time) and under it (cumulative), the `top` by own time."""
+  profiler = cProfile.Profile()
+  profiler.runcall(lambda: [run_dispatch() for _ in range(count)])
+  rows = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, _, own s, cumulative s, _)
+  ranked = sorted(rows.items(), key=lambda item: -item[1][2])[:top]
+  return {f"{name} ({Path(file).name}:{line})": dict(own_ms=own * 1e3 / count, cumulative_ms=cum * 1e3 / count,
+                                                      calls=calls / count)
+          for (file, line, name), (calls, _, own, cum, _) in ranked}
 
 
 def main(argv=None):
@@ -113,7 +133,7 @@ def main(argv=None):
   step, decode_steps = _Recorder(engine._step), _Recorder(engine._decode_steps)
   engine._step, engine._decode_steps = step, decode_steps
   t0 = time.perf_counter()
-  engine.warm_up()
+  engine.warm_up(sampling=False)  # its requests are greedy
   log(f"warm-up {time.perf_counter() - t0:.1f} s")
   rng = np.random.default_rng(0)
   prompt = lambda n: rng.integers(0, config.vocab_size, n).tolist()
@@ -142,6 +162,9 @@ def main(argv=None):
       log(f"  {k[:58]:58s} {v['us']:9.1f} {v['kernels']:8.1f}")
     for k, v in list(report[kind]["by_kernel"].items())[:12]:
       log(f"  {k[:80]:80s} {v['us']:9.1f} {v['kernels']:6.1f}")
+    log(f"{kind}: host functions (ms per dispatch: own, cumulative; calls)")
+    for k, v in list(report[kind]["host_functions"].items())[:15]:
+      log(f"  {k[:80]:80s} {v['own_ms']:8.2f} {v['cumulative_ms']:8.2f} {v['calls']:6.1f}")
   if args.out:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"profile_engine_{args.model}_s{args.slots}_c{args.context}.json").write_text(

@@ -144,7 +144,7 @@ def snapshot(x: jax.Array) -> jax.Array:
 class StepFunctions(NamedTuple):
   """The jitted prefill, decode step and multi-step decode of one model structure. All
   take the weights as a flat list of arrays first, the keyword `sampling` (a SamplingParams:
-  data, so new values never recompile) and the static keyword `attention_impl` (decode and
+  its values are data, so new values never recompile; its mode is static) and the static keyword `attention_impl` (decode and
   decode_steps also `plan`: None for the default StepPlan). prefill donates the cache; decode and decode_steps the LoopState (and
   the history) they return: read tokens through `snapshot` before the next call.
 
@@ -313,7 +313,7 @@ class Sampler:
     if longest + max_new_tokens > self.config.max_position_embeddings:
       raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"max_position_embeddings ({self.config.max_position_embeddings})")
-    sampling = SamplingParams(temperature, top_k, top_p).as_arrays()  # data: no recompile
+    sampling = SamplingParams(temperature, top_k, top_p).as_arrays()  # values: data; mode: static
     if eos_token_id is None:
       eos = self.config.eos_token_ids
     else:
@@ -420,7 +420,8 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_
 
   Greedy when temperature == 0, else sampled with temperature and optional top-k / top-p
   from `jax.random.key(seed)`; the three are data to the compiled steps, so new values
-  never recompile (one compilation per prompt bucket). A sequence stops after its EOS
+  never recompile (one compilation per prompt bucket and sampling mode: greedy, plain,
+  top-k / top-p). A sequence stops after its EOS
   token, which is included in its output; eos_token_id None means the config's EOS ids
   (pass () to never stop early).
   cache: "paged" (page_size tokens a page; num_pages default: enough for every sequence)

@@ -12,8 +12,12 @@ class SamplingParams:
   """Sampling settings, checked when made. temperature 0 is greedy (argmax); top_k None
   (or 0 once traced) keeps every token, top_p None (or 1) makes no nucleus cut.
 
-  A pytree of three scalars, so the jitted steps take the settings as data: a new
-  temperature, top_k or top_p never recompiles (`as_arrays` makes the device copies once)."""
+  A pytree whose leaves are the three values and whose static part is the `mode`
+  (greedy, plain sampling, or sampling with a top-k / top-p cut): a new temperature, top_k
+  or top_p never recompiles (`as_arrays` makes the device copies once); a new mode traces
+  its own step. The mode is chosen on the host rather than with a `lax.cond` on the device,
+  which XLA:GPU runs by copying the predicate to the host and waiting: the step would be
+  synchronous, and the host could not prepare the next one while the GPU runs this one."""
 
   temperature: float = 0.0
   top_k: int | None = None
@@ -28,8 +32,13 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
   @property
-  def greedy(self) -> bool:
-    return self.temperature == 0.0
+  def mode(self) -> str:
+    """"greedy", "plain" (temperature only) or "filtered" (a top-k or top-p cut too)."""
+    if "_mode" in self.__dict__:  # values traced or on the device: the mode they were made with
+      return self.__dict__["_mode"]
+    if self.temperature == 0.0:
+      return "greedy"
+    return "filtered" if self.top_k is not None or self.top_p not in (None, 1.0) else "plain"
 
   def values(self) -> tuple:
     """(temperature, top_k, top_p) with the defaults as numbers: top_k 0, top_p 1."""
@@ -37,48 +46,43 @@ class SamplingParams:
             1.0 if self.top_p is None else self.top_p)
 
   def as_arrays(self) -> SamplingParams:
-    """The same settings as float32 / int32 / float32 device scalars (one trace for all)."""
+    """The same settings as float32 / int32 / float32 device scalars."""
     temperature, top_k, top_p = self.values()
-    return _unchecked(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+    return _unchecked(self.mode, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
                       jnp.asarray(top_p, jnp.float32))
 
 
-def _unchecked(temperature, top_k, top_p) -> SamplingParams:
-  """A SamplingParams of (possibly traced) scalars: tracers cannot be checked."""
+def _unchecked(mode, temperature, top_k, top_p) -> SamplingParams:
+  """A SamplingParams of (possibly traced) scalars, its mode given: tracers cannot be checked."""
   params = object.__new__(SamplingParams)
-  for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+  for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                      ("_mode", mode)):
     object.__setattr__(params, name, value)
   return params
 
 
-jax.tree_util.register_pytree_node(SamplingParams, lambda p: (p.values(), None),
-                                   lambda _, leaves: _unchecked(*leaves))
+jax.tree_util.register_pytree_node(SamplingParams, lambda p: (p.values(), p.mode),
+                                   lambda mode, leaves: _unchecked(mode, *leaves))
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-  """logits [B, V] -> token ids [B] int32. params may hold traced scalars: greedy, plain
-  sampling and the top-k / top-p cut are chosen on the device (lax.cond), not by tracing."""
+  """logits [B, V] -> token ids [B] int32. params' values may be traced; its mode is static."""
   temperature, top_k, top_p = params.values()
   logits = logits.astype(jnp.float32)
+  if params.mode == "greedy":
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits / temperature
+  if params.mode == "plain":
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+  # Candidates sorted best first; the top k of them, then the smallest prefix whose mass
+  # reaches top_p: a token stays when the mass before it is still short of top_p (so the
+  # best token always stays).
   vocab = logits.shape[-1]
-
-  def filtered(scaled):
-    # Candidates sorted best first; the top k of them, then the smallest prefix whose mass
-    # reaches top_p: a token stays when the mass before it is still short of top_p (so the
-    # best token always stays).
-    candidates, candidate_ids = jax.lax.top_k(scaled, vocab)  # [B, V] each
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    candidates = jnp.where(jnp.arange(vocab) < k, candidates, -jnp.inf)
-    probs = jax.nn.softmax(candidates, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    candidates = jnp.where(mass_before < top_p, candidates, -jnp.inf)
-    choice = jax.random.categorical(key, candidates, axis=-1)  # [B]
-    return jnp.take_along_axis(candidate_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-  def sampled(_):
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    plain = lambda s: jax.random.categorical(key, s, axis=-1).astype(jnp.int32)
-    return jax.lax.cond((top_k > 0) | (top_p < 1.0), filtered, plain, scaled)
-
-  greedy = lambda _: jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.lax.cond(temperature > 0, sampled, greedy, None)
+  candidates, candidate_ids = jax.lax.top_k(scaled, vocab)  # [B, V] each
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  candidates = jnp.where(jnp.arange(vocab) < k, candidates, -jnp.inf)
+  probs = jax.nn.softmax(candidates, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  candidates = jnp.where(mass_before < top_p, candidates, -jnp.inf)
+  choice = jax.random.categorical(key, candidates, axis=-1)  # [B]
+  return jnp.take_along_axis(candidate_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)

@@ -8,8 +8,8 @@
 
 Each step is ONE jitted call (models/serving/step.py) over prefill chunks [lanes, T] and
 every slot's decode token; T is the step's bucket (a power of two from 16 up to the token
-budget), so a run compiles at most one step per bucket plus one decode-only step
-(`Engine.compilations`). Scheduling, pages, preemption and prefix caching are host-side
+budget), so a run compiles at most one step per bucket plus the decode-only steps, each
+twice if some request samples (greedy-only steps trace no sampler: `Engine.compilations`). Scheduling, pages, preemption and prefix caching are host-side
 (models/serving/scheduler.py, prefix_cache.py, models/qwen2/allocator.py).
 
 The host runs one step ahead of the device, as SGLang's overlap scheduler and vLLM's
@@ -41,7 +41,8 @@ from models.qwen2.sampler import check_attention_impl
 from models.serving.prefix_cache import PrefixCache
 from models.serving.request import Request, RequestHandle, make_request
 from models.serving.scheduler import PLACEHOLDER, Booking, ScheduledStep, Scheduler, Sequence
-from models.serving.step import IDLE_SAMPLING_ROW, STOP_COLUMNS, sampling_row, set_rows, step_function
+from models.serving.step import (IDLE_SAMPLING_ROW, STOP_COLUMNS, any_sampled, sampling_row, set_rows,
+                                 step_function)
 
 MIN_BUCKET = 16
 
@@ -170,9 +171,16 @@ class Engine:
     return {**self.scheduler.stats, "compilations": self.compilations, "pool_tokens": self.cache.tokens,
             "pool_bytes": self.cache.nbytes, "kv_dtype": str(self.cache.dtype)}
 
-  def warm_up(self) -> None:
-    """Compiles the step for every chunk bucket (and the decode-only step) now, on inputs
-    that write nothing, so that serving never waits for a compilation."""
+  def warm_up(self, sampling: bool = True) -> None:
+    """Compiles the step for every chunk bucket (and the decode-only steps) now, on inputs
+    that write nothing, so that serving never waits for a compilation. sampling False
+    compiles the greedy steps only (for a deployment whose requests never sample)."""
+    for sampled in (False, True)[:1 + sampling]:
+      self._warm_up(sampled)
+    self.cache = dataclasses.replace(self.cache, block_table=set_rows(
+        self.cache.block_table, jnp.zeros((1,), jnp.int32), jnp.zeros((1, self.max_pages), jnp.int32)))
+
+  def _warm_up(self, sampled: bool) -> None:
     slots, lanes, zeros = self.max_slots, self.prefill_lanes, functools.partial(np.zeros, dtype=np.int32)
     for bucket in (0, *self.scheduler.buckets):
       prefill = None if not bucket else tuple(jnp.asarray(x) for x in (
@@ -180,16 +188,15 @@ class Engine:
       tokens, self.cache, self.workspace = self._step(
           self.params, self.cache, self.workspace, self._previous_tokens,
           jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)),
-          prefill, self._sampling, attention_impl=self.attention_impl)
+          prefill, self._sampling, sampled=sampled, attention_impl=self.attention_impl)
       tokens.block_until_ready()
     if self.decode_steps > 1:
       tokens, _, self.cache, self.workspace = self._decode_steps(
           self.params, self.cache, self.workspace, self._previous_tokens,
           jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)),
-          self._sampling, num_steps=self.decode_steps, attention_impl=self.attention_impl)
+          self._sampling, num_steps=self.decode_steps, sampled=sampled,
+          attention_impl=self.attention_impl)
       tokens.block_until_ready()
-    self.cache = dataclasses.replace(self.cache, block_table=set_rows(
-        self.cache.block_table, jnp.zeros((1,), jnp.int32), jnp.zeros((1, self.max_pages), jnp.int32)))
 
   # ----------------------------------------------------------------------------- one step
 
@@ -251,14 +258,15 @@ class Engine:
     self._upload_block_table_rows()
     decode_inputs = (self.params, self.cache, self.workspace, self._previous_tokens,
                      jnp.asarray(decode_source), jnp.asarray(decode_tokens))
+    settings = dict(sampled=any_sampled(sampling), attention_impl=self.attention_impl)
     if max(scheduled.decode_steps, default=1) > 1:
       tokens, self._previous_tokens, self.cache, self.workspace = self._decode_steps(
           *decode_inputs, jnp.asarray(decode_cached), jnp.asarray(slot_steps), self._sampling,
-          num_steps=self.decode_steps, attention_impl=self.attention_impl)
+          num_steps=self.decode_steps, **settings)
       return tokens  # [num_steps, rows]: booked as row j * rows + r
     tokens, self.cache, self.workspace = self._step(
         *decode_inputs, jnp.asarray(np.minimum(slot_steps, 1)), jnp.asarray(decode_cached), prefill,
-        self._sampling, attention_impl=self.attention_impl)
+        self._sampling, **settings)
     self._previous_tokens = tokens
     return tokens
 

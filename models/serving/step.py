@@ -10,6 +10,12 @@ so the next step can read its decode inputs from it on the device, without the h
 When no prefill waits, `decode_steps` runs several decode steps in one call instead, each
 feeding a slot's own last draw and checking its stop ids on the device: the host's cost
 (scheduling, uploads, one dispatch) is paid once for them all.
+
+Neither call branches on device values: XLA:GPU runs a `lax.cond` or a data-dependent
+`lax.while_loop` by copying the predicate to the host and waiting for it, which makes the
+dispatch synchronous and leaves the GPU idle while the host schedules the next step. So
+greedy-only tables trace the argmax alone (`sampled`, static, known from the host's
+sampling table), and the multi-step decode runs a fixed count of steps.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ def step_function(graphdef, treedef):
   traces = [0]
 
   def step(params, cache, workspace, previous_tokens, decode_source, decode_tokens, decode_lengths,
-           decode_cached, prefill, sampling, *, attention_impl):
+           decode_cached, prefill, sampling, *, sampled, attention_impl):
     """cache: the PagedCache (block table [slots, max_pages], kept on the device) and
     workspace: the decode kernels' scratch (models.qwen2.DecodeWorkspace), both donated.
     previous_tokens [lanes + slots]: the previous dispatch's last token per row; decode_source
@@ -41,7 +47,8 @@ def step_function(graphdef, treedef):
     the host); decode_* [slots] (lengths 1 for a decoding row, 0 for any other); prefill None
     or (tokens [lanes, T], lengths [lanes], cached [lanes], slots [lanes]: whose block-table
     row each lane writes); sampling [lanes + slots, SAMPLING_COLUMNS] int32: each output
-    row's request settings (see `sampling_row`), kept on the device. -> (tokens
+    row's request settings (see `sampling_row`), kept on the device; sampled (static):
+    whether any row's temperature is > 0 (False: every row is greedy). -> (tokens
     [lanes + slots] int32, cache, workspace)."""
     traces[0] += 1
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
@@ -57,20 +64,21 @@ def step_function(graphdef, treedef):
                                                       workspace=workspace)
       last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]  # [lanes, hidden]
       # A lane draws the token after its chunk.
-      drawn.append(_sample(model.logits(last), cached + lengths, sampling[:lanes]))
+      drawn.append(_sample(model.logits(last), cached + lengths, sampling[:lanes], sampled))
       cache = dataclasses.replace(view, block_table=cache.block_table)  # the view's pools and scales
     else:
       drawn.append(jnp.zeros((lanes,), jnp.int32))
     decoded, cache, workspace = _decode(model, cache, workspace, decode_tokens, decode_lengths,
-                                        decode_cached, sampling[lanes:], attention_impl)
+                                        decode_cached, sampling[lanes:], sampled, attention_impl)
     return jnp.concatenate([*drawn, decoded]), cache, workspace
 
   def decode_steps(params, cache, workspace, previous_tokens, decode_source, decode_tokens,
-                   decode_cached, steps, sampling, *, num_steps, attention_impl):
-    """Up to `num_steps` decode steps in one call, each slot's next input its own last draw,
-    as jax-llm-examples' serving loop and vLLM's multi-step scheduling run them. steps
-    [slots]: the steps slot b may take (0: idle); a slot also stops after drawing one of its
-    stop ids (the sampling table's stop columns), so its later steps feed nothing. Other
+                   decode_cached, steps, sampling, *, num_steps, sampled, attention_impl):
+    """`num_steps` decode steps in one call, each slot's next input its own last draw, as
+    jax-llm-examples' serving loop and vLLM's multi-step scheduling run them. steps [slots]:
+    the steps slot b may take (0: idle); a slot also stops after drawing one of its stop ids
+    (the sampling table's stop columns), so its later steps feed nothing (a step where no
+    slot feeds still runs the model's matmuls on idle rows: the count is fixed). Other
     arguments as `step`'s. -> (tokens [num_steps, lanes + slots] int32, PLACEHOLDER (-1)
     where a row drew nothing (the lane rows always), last [lanes + slots]: each row's last
     draw, the next dispatch's previous_tokens; cache, workspace)."""
@@ -80,31 +88,26 @@ def step_function(graphdef, treedef):
     slot_sampling = sampling[lanes:]
     stop_ids = slot_sampling[:, SAMPLING_COLUMNS - STOP_COLUMNS:]  # [slots, STOP_COLUMNS], -1 padded
 
-    def any_active(carry):
-      i, running = carry[0], carry[5]
-      return (i < num_steps) & jnp.any(running & (i < steps))
-
-    def one_step(carry):
-      i, cache, workspace, tokens, cached, running, out = carry
+    def one_step(i, carry):
+      cache, workspace, tokens, cached, running, out = carry
       active = running & (i < steps)
       drawn, cache, workspace = _decode(model, cache, workspace, tokens, active.astype(jnp.int32),
-                                        cached, slot_sampling, attention_impl)
+                                        cached, slot_sampling, sampled, attention_impl)
       out = out.at[i].set(jnp.where(active, drawn, PLACEHOLDER))
       running = active & ~jnp.any(drawn[:, None] == stop_ids, axis=1)
-      return (i + 1, cache, workspace, jnp.where(active, drawn, tokens), cached + active, running, out)
+      return cache, workspace, jnp.where(active, drawn, tokens), cached + active, running, out
 
     tokens = _decode_inputs(previous_tokens, decode_source, decode_tokens)
     out = jnp.full((num_steps, tokens.shape[0]), PLACEHOLDER, jnp.int32)
-    # A while loop, not a fixed count: once every slot has stopped no further step runs.
-    _, cache, workspace, tokens, _, _, out = jax.lax.while_loop(
-        any_active, one_step, (0, cache, workspace, tokens, decode_cached, steps > 0, out))
+    cache, workspace, tokens, _, _, out = jax.lax.fori_loop(
+        0, num_steps, one_step, (cache, workspace, tokens, decode_cached, steps > 0, out))
     lane_rows = jnp.full((num_steps, lanes), PLACEHOLDER, jnp.int32)
     last = jnp.concatenate([jnp.zeros((lanes,), jnp.int32), tokens])
     return jnp.concatenate([lane_rows, out], axis=1), last, cache, workspace
 
   donated = ("cache", "workspace")
-  return (jax.jit(step, static_argnames=("attention_impl",), donate_argnames=donated),
-          jax.jit(decode_steps, static_argnames=("num_steps", "attention_impl"),
+  return (jax.jit(step, static_argnames=("sampled", "attention_impl"), donate_argnames=donated),
+          jax.jit(decode_steps, static_argnames=("num_steps", "sampled", "attention_impl"),
                   donate_argnames=donated),
           traces)
 
@@ -115,7 +118,7 @@ def _decode_inputs(previous_tokens, decode_source, decode_tokens):
   return jnp.where(decode_source >= 0, previous_tokens[jnp.maximum(decode_source, 0)], decode_tokens)
 
 
-def _decode(model, cache, workspace, tokens, lengths, cached, sampling, attention_impl):
+def _decode(model, cache, workspace, tokens, lengths, cached, sampling, sampled, attention_impl):
   """One token per slot (tokens [slots]; lengths 1 to feed it, 0 for a slot that feeds
   nothing) after each slot's `cached` ones -> (the token each slot draws [slots], cache,
   workspace)."""
@@ -123,18 +126,19 @@ def _decode(model, cache, workspace, tokens, lengths, cached, sampling, attentio
   with jax.named_scope("decode"):
     hidden, cache, workspace = model.hidden_states(tokens[:, None], None, cache, lengths=lengths,
                                                    attention_impl=attention_impl, workspace=workspace)
-  return _sample(model.logits(hidden[:, 0]), cached + 1, sampling), cache, workspace
+  return _sample(model.logits(hidden[:, 0]), cached + 1, sampling, sampled), cache, workspace
 
 
-def _sample(logits, drawn_at, sampling):
+def _sample(logits, drawn_at, sampling, sampled):
   """logits [R, vocab]; drawn_at [R]: the index in its sequence of the token each row draws;
-  sampling [R, SAMPLING_COLUMNS] -> tokens [R] int32. The PRNG stream is indexed by the
-  token's position after the prompt, so a token depends only on its request."""
+  sampling [R, SAMPLING_COLUMNS]; sampled: as `step`'s -> tokens [R] int32. The PRNG
+  stream is indexed by the token's position after the prompt, so a token depends only on
+  its request."""
   bits = lambda column, dtype: jax.lax.bitcast_convert_type(sampling[:, column], dtype)
   index = jnp.maximum(drawn_at - sampling[:, 4], 0)
   with jax.named_scope("sample"):
     return sample_rows(logits, row_keys(bits(0, jnp.uint32), index), bits(1, jnp.float32),
-                       sampling[:, 2], bits(3, jnp.float32))
+                       sampling[:, 2], bits(3, jnp.float32), sampled=sampled)
 
 
 STOP_COLUMNS = 8  # stop ids a row's device-side check holds; a request with more decodes singly
@@ -153,6 +157,12 @@ def sampling_row(seed: int, temperature: float, top_k: int, top_p: float, prompt
 
 
 IDLE_SAMPLING_ROW = sampling_row(0, 0.0, 0, 1.0, 0)  # greedy, no cut, no stop ids
+
+
+def any_sampled(table: np.ndarray) -> bool:
+  """Whether a sampling table [R, SAMPLING_COLUMNS] has a row with temperature > 0: the
+  steps' static `sampled`."""
+  return bool((np.ascontiguousarray(table[:, 1]).view(np.float32) > 0).any())
 
 
 @functools.partial(jax.jit, donate_argnums=0)
