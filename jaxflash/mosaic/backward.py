@@ -253,45 +253,44 @@ def _dkdv_kernel(
     def iota(dim):
       return plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), dim, layout=plgpu.Layout.WGMMA)
 
+    zero_scores = plgpu.layout_cast(jnp.zeros((block_kv, block_q), jnp.float32), plgpu.Layout.WGMMA)
+
     def step(i, carry, *, head_step, masked: bool):
       dk, dv = carry  # [block_kv, H] float32 each
       slot = lax.rem(head_step * count + i - lo, num_stages)
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-      plgpu.barrier_wait(q_ready.at[slot])
-      plgpu.barrier_wait(lse_ready.at[slot])
+      for ready in (q_ready, do_ready, lse_ready, delta_ready):
+        plgpu.barrier_wait(ready.at[slot])
 
-      def scores(s_ref):
-        plgpu.wgmma(s_ref, k_tile, q_tile.T)
-        return s_ref[...]
-
-      s_t = pl.run_scoped(scores, plgpu.ACC((block_kv, block_q), jnp.float32))  # S^T
-      lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-      p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-      if masked:
-        key_pos = iota(0) + k_base
-        if causal:  # key s is visible to row t when s <= t + shift and s < kv_valid
-          limit = jnp.minimum(iota(1) + (i * block_q + shift), kv_valid - 1)
-          visible = key_pos <= limit
-        else:
-          visible = key_pos < kv_valid
-        p_t = jnp.where(visible, p_t, 0.0)
-      plgpu.barrier_wait(do_ready.at[slot])
-
-      def dv_and_dp(refs):
-        dv_ref_, dp_ref_ = refs
+      def body(refs):
+        s_ref, dp_ref, dv_ref_, dk_ref_ = refs
+        plgpu.wgmma(s_ref, k_tile, q_tile.T)  # S^T = K Q^T
+        # dP^T needs no P: it runs on the tensor cores while the exponentials below do, as
+        # FlashAttention-3 overlaps its softmax with the next product.
+        plgpu.wgmma(dp_ref, v_tile, do_tile.T)  # dP^T = V dO^T
+        s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T landed, dP^T may still run
+        lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+        p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+        if masked:
+          key_pos = iota(0) + k_base
+          if causal:  # key s is visible to row t when s <= t + shift and s < kv_valid
+            limit = jnp.minimum(iota(1) + (i * block_q + shift), kv_valid - 1)
+            visible = key_pos <= limit
+          else:
+            visible = key_pos < kv_valid
+          p_t = jnp.where(visible, p_t, 0.0)
+        p_t = lax.optimization_barrier(p_t)  # the exponentials stay ahead of the wait for dP^T
+        dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+        delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+        ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+        # Both products read their left operand from registers, so nothing is written to
+        # registers until they complete (the end of this scope waits for them).
         plgpu.wgmma(dv_ref_, p_t.astype(dtype), do_tile)  # dV += P^T dO
-        plgpu.wgmma(dp_ref_, v_tile, do_tile.T)  # dP^T = V dO^T
-
-      zeros = plgpu.layout_cast(jnp.zeros((block_kv, block_q), jnp.float32), plgpu.Layout.WGMMA)
-      dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-      plgpu.barrier_wait(delta_ready.at[slot])
-      delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-      ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
-
-      def dk_step(dk_ref_):
         plgpu.wgmma(dk_ref_, ds_t, q_tile)  # dK += dS^T Q
 
-      dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
+      _, _, dv, dk = pl.run_state(body)(
+          (plgpu.ACC.init(zero_scores), plgpu.ACC.init(zero_scores), plgpu.ACC.init(dv),
+           plgpu.ACC.init(dk)))
       plgpu.barrier_arrive(slot_free.at[slot])
       return dk, dv
 
@@ -394,6 +393,8 @@ def _dq_kernel(
     def iota(dim):
       return plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), dim, layout=plgpu.Layout.WGMMA)
 
+    zero_scores = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
+
     for barrier in loaded:
       plgpu.barrier_wait(barrier)
     lse = _load_rows(lse_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
@@ -405,27 +406,26 @@ def _dq_kernel(
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(v_ready.at[slot])
 
-      def s_and_dp(refs):
-        s_ref, dp_ref_ = refs
+      def body(refs):
+        s_ref, dp_ref_, dq_ref_ = refs
         plgpu.wgmma(s_ref, q_tile, k_tile.T)  # S = Q K^T
-        plgpu.wgmma(dp_ref_, do_tile, v_tile.T)  # dP = dO V^T
-
-      zeros = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
-      s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
-      p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-      if masked:
-        key_pos = iota(1) + j * block_kv
-        if causal:
-          visible = key_pos <= jnp.minimum(iota(0) + (q_base + shift), kv_valid - 1)
-        else:
-          visible = key_pos < kv_valid
-        p = jnp.where(visible, p, 0.0)
-      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-
-      def dq_step(dq_ref_):
+        plgpu.wgmma(dp_ref_, do_tile, v_tile.T)  # dP = dO V^T, beside the exponentials
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+        if masked:
+          key_pos = iota(1) + j * block_kv
+          if causal:
+            visible = key_pos <= jnp.minimum(iota(0) + (q_base + shift), kv_valid - 1)
+          else:
+            visible = key_pos < kv_valid
+          p = jnp.where(visible, p, 0.0)
+        p = lax.optimization_barrier(p)  # the exponentials stay ahead of the wait for dP
+        dp = plgpu.wgmma_accumulator_load(dp_ref_, wait_n=0)
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         plgpu.wgmma(dq_ref_, ds.astype(dtype), k_tile)  # dQ += dS K
 
-      dq = pl.run_state(dq_step)(plgpu.ACC.init(dq))
+      _, _, dq = pl.run_state(body)((plgpu.ACC.init(zero_scores), plgpu.ACC.init(zero_scores),
+                                     plgpu.ACC.init(dq)))
       plgpu.barrier_arrive(slot_free.at[slot])
       return dq
 
