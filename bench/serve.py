@@ -10,8 +10,9 @@ time: a request is submitted when its arrival time comes, and each token's time 
 host (or the HTTP client) holds it. Each slot count (32, 128, 256) runs the whole sharegpt
 trace.
 
-  * engine: chunked prefill (512-token step budget, chunks 128/256/512) + prefix caching,
-    up to 4 decode steps a dispatch while no prompt is fed, stepped from the benchmark's thread;
+  * engine: chunked prefill (2048-token step budget, chunks of 128 to 2048 tokens in up to 4
+    lanes) + prefix caching, up to 4 decode steps a dispatch while no prompt is fed, stepped
+    from the benchmark's thread;
   * engine_http: the same engine behind `python -m models.serve`'s app on a loopback port
     (engine thread, Starlette + uvicorn, streamed server-sent events), requests sent by an
     asyncio httpx client: the server's own cost is the gap to `engine`;
@@ -76,18 +77,19 @@ class Shape:
   system_prompt: int
   slots: tuple[int, ...]  # slot counts (the static batch) to run the sharegpt trace at
   token_budget: int
+  prefill_lanes: int
   min_chunk: int
   max_seq_len: int
 
 
 FULL = Shape(requests=512, rates=(4.0, 16.0, 64.0, 256.0), shared_rates=(16.0, 64.0),
              prompt_median=220, prompt_clip=(64, 1024), output_median=100, output_clip=(8, 256),
-             system_prompt=SYSTEM_PROMPT, slots=(32, 128, 256), token_budget=512, min_chunk=128,
-             max_seq_len=4096)
+             system_prompt=SYSTEM_PROMPT, slots=(32, 128, 256), token_budget=2048, prefill_lanes=4,
+             min_chunk=128, max_seq_len=4096)
 QUICK = dataclasses.replace(FULL, rates=(16.0, 256.0), shared_rates=(64.0,), slots=(32, 256))
 SMOKE = Shape(requests=8, rates=(50.0,), shared_rates=(50.0,), prompt_median=20, prompt_clip=(4, 40),
               output_median=4, output_clip=(2, 6), system_prompt=24, slots=(4,), token_budget=32,
-              min_chunk=16, max_seq_len=128)
+              prefill_lanes=2, min_chunk=16, max_seq_len=128)
 
 H200_HBM_BYTES_S = 4.8e12
 H200_BF16_FLOPS = 989e12
@@ -305,7 +307,8 @@ def build(args, shape: Shape):
 def run_engine(label, model, impl, shape, trace, slots):
   from models.serving import Engine
   engine = Engine(model, max_slots=slots, page_size=16, max_seq_len=shape.max_seq_len,
-                  token_budget=shape.token_budget, prefill_lanes=2, min_chunk=shape.min_chunk,
+                  token_budget=shape.token_budget, prefill_lanes=shape.prefill_lanes,
+                  min_chunk=shape.min_chunk,
                   attention_impl=impl, **ENGINES[label])
   start = time.perf_counter()
   engine.warm_up(sampling=False)  # the traces' requests are greedy
@@ -375,11 +378,15 @@ def main(argv=None):
   p.add_argument("--systems", default=None, help="comma-separated systems to run (default all): "
                  + ", ".join(LABELS))
   p.add_argument("--slots", default=None, help="comma-separated slot counts (default the shape's)")
+  p.add_argument("--token-budget", type=int, default=None,
+                 help="the engine's step budget (default the shape's)")
   args = p.parse_args(argv)
   budget = TimeLimit(args.time_limit_s)
   shape = SMOKE if args.smoke else (QUICK if args.quick else FULL)
   if args.slots:
     shape = dataclasses.replace(shape, slots=tuple(int(n) for n in args.slots.split(",")))
+  if args.token_budget:
+    shape = dataclasses.replace(shape, token_budget=args.token_budget)
   systems = set(args.systems.split(",")) if args.systems else set(LABELS)
   if systems - set(LABELS):
     p.error(f"--systems takes {', '.join(LABELS)}, got {', '.join(sorted(systems - set(LABELS)))}")

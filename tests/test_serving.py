@@ -97,11 +97,13 @@ def test_chunks_after_the_cache_give_the_whole_prompts_logits(model, kind, impl)
 
 # ----------------------------------------------------------------------------- the engine
 
-def test_requests_arriving_at_different_steps_match_generate_alone(model):
-  """Mixed prompt lengths (prompts longer than the 16-token budget are chunked), requests
-  submitted while others decode, more requests than slots."""
+@pytest.mark.parametrize("budget, lanes", [(16, 2), (32, 3)])
+def test_requests_arriving_at_different_steps_match_generate_alone(model, budget, lanes):
+  """Mixed prompt lengths (prompts longer than the token budget are chunked), requests
+  submitted while others decode, more requests than slots; with a budget of two 16-token
+  buckets, steps of one and of two prefill lanes."""
   prompts = _prompts((5, 23, 40, 17, 30, 9), seed=3)
-  engine = _engine(model)
+  engine = _engine(model, token_budget=budget, prefill_lanes=lanes)
   handles = [engine.submit(p, NEW, stop_ids=()) for p in prompts[:2]]
   engine.step()
   engine.step()
@@ -113,8 +115,9 @@ def test_requests_arriving_at_different_steps_match_generate_alone(model):
   assert engine.idle
   _check_alone(model, handles)
   assert engine.stats["prefill_tokens"] > 0 and engine.stats.get("preemptions", 0) == 0
-  # One step per chunk bucket used (16), the decode-only step and the multi-step decode, at most.
-  assert engine.compilations <= 3
+  # One step per chunk bucket and lane count used ((1, 16); (2, 16) and (1, 32) with the
+  # larger budget), the decode-only step and the multi-step decode, at most.
+  assert engine.compilations <= (3 if budget == 16 else 5)
   assert engine.allocator.available_pages == engine.allocator.num_pages  # every page back
 
 
@@ -276,6 +279,35 @@ def test_allocator_reference_counts_and_lru_eviction():
   allocator.release(0)  # page 1, no longer kept, is free
   with pytest.raises(ValueError, match="is free"):
     allocator.share(0, [1])
+
+
+def test_chunks_fill_one_bucket_within_the_token_budget():
+  """The step's prefill rows are [lanes, T] with T the bucket of its longest chunk: the plan
+  feeds the most prompt tokens with lanes * T within the budget, oldest sequences first,
+  and counts the lanes it uses (an empty lane costs its rows)."""
+  from models.serving.request import RequestHandle, make_request
+  from models.serving.scheduler import Scheduler, Sequence
+
+  def step_with(pending, decodes=0, lanes=4, budget=512):
+    allocator = PageAllocator(num_pages=512, page_size=16, batch=8, max_pages=64)
+    scheduler = Scheduler(allocator, None, max_slots=8, token_budget=budget, prefill_lanes=lanes,
+                          chunked_prefill=True, buckets=(128, 256, 512), max_seq_len=1024)
+    for n in [*pending, *[2] * decodes]:
+      request = make_request([1] * n, 4, vocab_size=8, max_seq_len=1024)
+      scheduler.add(Sequence(RequestHandle(len(scheduler.waiting), request, None), list(request.prompt)))
+    scheduler._admit()
+    for seq in scheduler.running[len(pending):]:
+      seq.cached = 1  # one token left to feed: a decode
+    step = scheduler.schedule()
+    return [chunk for _, chunk in step.prefills], step.chunk_bucket
+
+  assert step_with([1000]) == ([512], 512)
+  assert step_with([1000], decodes=3) == ([509], 512)  # decodes come out of the budget
+  assert step_with([200, 300]) == ([200, 256], 256)  # not [200, 300] in 2 x 512 rows
+  assert step_with([100, 90, 120, 80, 70]) == ([100, 90, 120, 80], 128)
+  assert step_with([40, 600]) == ([40, 256], 256)
+  assert step_with([1000, 1000], lanes=1) == ([512], 512)
+  assert step_with([60, 60], budget=100) == ([60], 128)  # a budget under one bucket: one lane
 
 
 def test_prefix_cache_keys_chain_and_eviction():

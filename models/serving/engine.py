@@ -173,17 +173,26 @@ class Engine:
             "pool_bytes": self.cache.nbytes, "kv_dtype": str(self.cache.dtype)}
 
   def warm_up(self, sampling: bool = True) -> None:
-    """Compiles the step for every chunk bucket (and the decode-only steps) now, on inputs
-    that write nothing, so that serving never waits for a compilation. sampling False
-    compiles the greedy steps only (for a deployment whose requests never sample)."""
+    """Compiles the step for every chunk bucket and lane count, the decode-only steps and
+    the table updates now, on inputs that change nothing, so that serving never waits for a
+    compilation. sampling False compiles the greedy steps only (for a deployment whose
+    requests never sample)."""
     for sampled in (False, True)[:1 + sampling]:
       self._warm_up(sampled)
-    self.cache = dataclasses.replace(self.cache, block_table=set_rows(
-        self.cache.block_table, jnp.zeros((1,), jnp.int32), jnp.zeros((1, self.max_pages), jnp.int32)))
+    # An update compiles once per power-of-two count of rows (`_set_rows_padded`): each
+    # count here, its rows set to the values the host holds for them.
+    for rows in _row_counts(self._rows):
+      self._sampling = _set_rows_padded(self._sampling, rows, self._sampling_host)
+    for rows in _row_counts(self.max_slots):
+      self.cache = dataclasses.replace(self.cache, block_table=_set_rows_padded(
+          self.cache.block_table, rows, self.allocator.block_table))
+    self._sampling.block_until_ready()
 
   def _warm_up(self, sampled: bool) -> None:
-    slots, lanes, zeros = self.max_slots, self.prefill_lanes, functools.partial(np.zeros, dtype=np.int32)
-    for bucket in (0, *self.scheduler.buckets):
+    slots, zeros = self.max_slots, functools.partial(np.zeros, dtype=np.int32)
+    shapes = [(0, 0)] + [(lanes, bucket) for bucket in self.scheduler.buckets
+                         for lanes in range(1, self.scheduler.lanes_at(bucket) + 1)]
+    for lanes, bucket in shapes:
       prefill = None if not bucket else tuple(jnp.asarray(x) for x in (
           zeros((lanes, bucket)), zeros((lanes,)), zeros((lanes,)), zeros((lanes,))))
       tokens, self.cache, self.workspace = self._step(
@@ -238,8 +247,9 @@ class Engine:
       decode_cached[seq.slot] = seq.cached
     prefill = None
     if scheduled.prefills:
-      tokens = np.zeros((lanes, scheduled.chunk_bucket), np.int32)
-      lengths, cached, lane_slots = (np.zeros((lanes,), np.int32) for _ in range(3))
+      used = len(scheduled.prefills)  # lanes this step computes (the rest draw nothing)
+      tokens = np.zeros((used, scheduled.chunk_bucket), np.int32)
+      lengths, cached, lane_slots = (np.zeros((used,), np.int32) for _ in range(3))
       for lane, (seq, chunk) in enumerate(scheduled.prefills):
         tokens[lane, :chunk] = seq.tokens[seq.cached:seq.cached + chunk]
         lengths[lane], cached[lane], lane_slots[lane] = chunk, seq.cached, seq.slot
@@ -284,6 +294,11 @@ class Engine:
     """`device` (a copy of `old`) made equal to `new` by setting the rows that differ."""
     changed = np.flatnonzero((old != new).any(axis=1)).tolist()
     return _set_rows_padded(device, changed, new) if changed else device
+
+
+def _row_counts(n: int) -> list[list[int]]:
+  """Row lists of a table of n rows that `_set_rows_padded` pads to every size it can."""
+  return [list(range(min(1 << e, n))) for e in range((n - 1).bit_length() + 1)]
 
 
 def _set_rows_padded(device: jax.Array, rows: list[int], host: np.ndarray) -> jax.Array:

@@ -6,7 +6,8 @@ Language Model Serving with PagedAttention" for the pages):
      hold their prompts (after mapping the pages of their longest cached prefix);
   2. every running sequence with one token left to feed decodes it;
   3. the rest of the step's token budget goes to the other running sequences, oldest first,
-     as prefill chunks (at most `prefill_lanes` of them);
+     as prefill chunks (at most `prefill_lanes` of them, their rows padded to one bucket
+     within the budget: `_plan_chunks`);
   4. a step without prefill chunks decodes up to `decode_steps` tokens per sequence in one
      dispatch (each bounded by its max_new_tokens, its window and the pages free now; a
      sequence with more stop ids than the device checks takes one).
@@ -175,22 +176,10 @@ class Scheduler:
     # (A sequence preempted by an older one's growth in this loop has no slot any more.)
     decodes = [s for s in self.running if s.slot is not None and s.pending == 1
                and not self._exhausted(s) and self._grow(s, s.cached + 1)]
-    budget = self.token_budget - len(decodes)
-    prefills: list[tuple[Sequence, int]] = []
-    largest = self.buckets[-1]
-    for seq in self.running:
-      if len(prefills) == self.prefill_lanes or budget <= 0:
-        break
-      if seq.slot is None or seq.pending <= 1:
-        continue
-      chunk = min(seq.pending, largest)
-      if self.chunked_prefill:
-        chunk = min(chunk, budget)
-      elif prefills and chunk > budget:
-        break  # whole prompts: one past the budget runs only alone
+    prefills = []
+    for seq, chunk in self._plan_chunks(self.token_budget - len(decodes)):
       if self._grow(seq, seq.cached + chunk):
         prefills.append((seq, chunk))
-        budget -= chunk
     # A sequence preempted after it was planned drops out of the step.
     decodes = [s for s in decodes if s.slot is not None]
     prefills = [(s, c) for s, c in prefills if s.slot is not None]
@@ -200,6 +189,44 @@ class Scheduler:
     bucket = min(b for b in self.buckets if b >= longest) if prefills else 0
     steps = [1 if prefills else self._lookahead(s) for s in decodes]
     return ScheduledStep(decodes, prefills, bucket, steps)
+
+  def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
+    """The step's prefill chunks (sequence, tokens), oldest sequences first, within `budget`
+    tokens. The model computes every lane of the step's [lanes, T] rows, T the bucket of the
+    longest chunk, so with chunking the plan takes the bucket T whose chunks feed the most
+    tokens while the rows stay within the token budget (lanes * T <= token_budget): one
+    long chunk or several short ones, never a short chunk padded beside a long one."""
+    candidates = [s for s in self.running if s.slot is not None and s.pending > 1][:self.prefill_lanes]
+    if budget <= 0 or not candidates:
+      return []
+    if not self.chunked_prefill:  # whole prompts: one past the budget runs only alone
+      plan = [(candidates[0], candidates[0].pending)]
+      budget -= candidates[0].pending
+      for seq in candidates[1:]:
+        if seq.pending > budget:
+          break
+        plan.append((seq, seq.pending))
+        budget -= seq.pending
+      return plan
+    best, best_key = [], None
+    for bucket in self.buckets:
+      plan, left = [], budget
+      for seq in candidates[:self.lanes_at(bucket)]:
+        chunk = min(seq.pending, bucket, left)
+        if chunk <= 0:
+          break
+        plan.append((seq, chunk))
+        left -= chunk
+      key = (budget - left, -bucket * len(plan))  # most tokens, then fewest rows
+      if best_key is None or key > best_key:
+        best, best_key = plan, key
+    return best
+
+  def lanes_at(self, bucket: int) -> int:
+    """Prefill lanes a step of chunk bucket `bucket` may run."""
+    if not self.chunked_prefill:
+      return self.prefill_lanes
+    return min(self.prefill_lanes, max(1, self.token_budget // bucket))
 
   def _lookahead(self, seq: Sequence) -> int:
     """Tokens a decoding sequence may take in one multi-step dispatch (pages for the first

@@ -1,7 +1,7 @@
 """The engine's jitted step, and the small device updates around it.
 
 One step is ONE jitted call over a fixed number of slots (a paged KV cache of `max_slots`
-rows): the model runs once over `prefill_lanes` rows of prefill chunks [lanes, T] and once
+rows): the model runs once over up to `prefill_lanes` rows of prefill chunks [used, T] and once
 over every slot's decode token [slots, 1] (lengths 0 for an idle slot: its rows cost the
 attention kernels nothing), both writing into the same page pools, then one token is drawn
 per row. The output is always [lanes + slots] (a decode-only step leaves the lane rows 0),
@@ -45,11 +45,11 @@ def step_function(graphdef, treedef):
     previous_tokens [lanes + slots]: the previous dispatch's last token per row; decode_source
     [slots]: the row of it that holds a slot's decode token (-1: decode_tokens' value, from
     the host); decode_* [slots] (lengths 1 for a decoding row, 0 for any other); prefill None
-    or (tokens [lanes, T], lengths [lanes], cached [lanes], slots [lanes]: whose block-table
-    row each lane writes); sampling [lanes + slots, SAMPLING_COLUMNS] int32: each output
-    row's request settings (see `sampling_row`), kept on the device; sampled (static):
-    whether any row's temperature is > 0 (False: every row is greedy). -> (tokens
-    [lanes + slots] int32, cache, workspace)."""
+    or (tokens [used, T], lengths [used], cached [used], slots [used]: whose block-table
+    row each lane writes), used <= lanes (the other lane rows draw 0); sampling
+    [lanes + slots, SAMPLING_COLUMNS] int32: each output row's request settings (see
+    `sampling_row`), kept on the device; sampled (static): whether any row's temperature is
+    > 0 (False: every row is greedy). -> (tokens [lanes + slots] int32, cache, workspace)."""
     traces[0] += 1
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     lanes = previous_tokens.shape[0] - decode_tokens.shape[0]
@@ -62,9 +62,11 @@ def step_function(graphdef, treedef):
         hidden, view, workspace = model.hidden_states(tokens, None, view, lengths=lengths,
                                                       attention_impl=attention_impl,
                                                       workspace=workspace)
-      last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]  # [lanes, hidden]
+      used = tokens.shape[0]  # the step's lanes; the others draw nothing
+      last = hidden[jnp.arange(used), jnp.maximum(lengths - 1, 0)]  # [used, hidden]
       # A lane draws the token after its chunk.
-      drawn.append(_sample(model.logits(last), cached + lengths, sampling[:lanes], sampled))
+      drawn.append(_sample(model.logits(last), cached + lengths, sampling[:used], sampled))
+      drawn.append(jnp.zeros((lanes - used,), jnp.int32))
       cache = dataclasses.replace(view, block_table=cache.block_table)  # the view's pools and scales
     else:
       drawn.append(jnp.zeros((lanes,), jnp.int32))
