@@ -74,15 +74,24 @@ def sample_logits(logits: jax.Array, key: jax.Array, params: SamplingParams) -> 
   scaled = logits / temperature
   if params.mode == "plain":
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-  # Candidates sorted best first; the top k of them, then the smallest prefix whose mass
-  # reaches top_p: a token stays when the mass before it is still short of top_p (so the
-  # best token always stays).
-  vocab = logits.shape[-1]
-  candidates, candidate_ids = jax.lax.top_k(scaled, vocab)  # [B, V] each
+  rows = logits.shape[0]
+  masked = nucleus_mask(scaled, jnp.broadcast_to(top_k, (rows,)), jnp.broadcast_to(top_p, (rows,)))
+  return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
+
+
+def nucleus_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """scaled [R, V] (logits over temperature), top_k [R] int (0: all), top_p [R] (1: all) ->
+  scaled with every token outside the row's cut at -inf: its top k tokens, then the
+  smallest prefix of them, best first, whose probability reaches top_p (a token stays while
+  the mass before it is short of top_p, so the best token always stays; ties at the cut
+  stay in)."""
+  vocab = scaled.shape[-1]
+  ranked = -jnp.sort(-scaled, axis=-1)  # [R, V] best first
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  candidates = jnp.where(jnp.arange(vocab) < k, candidates, -jnp.inf)
-  probs = jax.nn.softmax(candidates, axis=-1)
+  kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)  # [R, 1]
+  ranked = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ranked, -jnp.inf)
+  probs = jax.nn.softmax(ranked, axis=-1)
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  candidates = jnp.where(mass_before < top_p, candidates, -jnp.inf)
-  choice = jax.random.categorical(key, candidates, axis=-1)  # [B]
-  return jnp.take_along_axis(candidate_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  kept = jnp.sum(mass_before < top_p[:, None], axis=-1)  # >= 1
+  cut = jnp.take_along_axis(ranked, (kept - 1)[:, None], axis=-1)  # [R, 1]
+  return jnp.where(scaled >= jnp.maximum(kth, cut), scaled, -jnp.inf)
