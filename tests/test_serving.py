@@ -402,6 +402,22 @@ def test_the_host_learns_tokens_one_step_late(model):
   assert engine.stats["steps"] == NEW  # one prefill, NEW - 1 decodes: none past max_new_tokens
 
 
+def test_a_slot_is_given_back_when_its_last_token_is_booked(model):
+  """A request ending by length frees its slot as its last token is dispatched, before the
+  host knows the token: a waiting request runs in the next step, and both answer as alone."""
+  first, second = _prompts((9, 11), seed=15)
+  engine = _engine(model, max_slots=1, decode_steps=1)
+  handles = [engine.submit(first, 2, stop_ids=()), engine.submit(second, NEW, stop_ids=())]
+  engine.step()  # the first prompt: draws its first token
+  engine.step()  # its last decode: the slot is free while that token is in flight
+  assert engine.scheduler.slots == [None] and not handles[0].done
+  engine.step()  # the second prompt, as the first request's last token arrives
+  assert handles[0].done and engine.scheduler.slots[0].handle is handles[1]
+  engine.run_until_idle()
+  assert handles[0].tokens == _generate_alone(model, tuple(first), 2)
+  assert handles[1].tokens == _generate_alone(model, tuple(second), NEW)
+
+
 def test_a_stop_seen_late_wastes_one_step_and_changes_nothing(model):
   """The stop token is known a step late: the row runs one more decode, whose token is
   dropped; the next request in its slot is unaffected."""

@@ -22,7 +22,7 @@ draw, which the next step already feeds from the device; `complete` fills the pl
 in once the host has the values, hands the tokens to their requests and applies the stop
 checks (a sequence that stopped may thus run one wasted step, whose result is dropped).
 A sequence is never scheduled past its max_new_tokens or its window, counting
-placeholders. Preempting a sequence first asks the engine to `resolve` its placeholder
+placeholders, and gives its slot back as soon as its last token is booked. Preempting a sequence first asks the engine to `resolve` its placeholder
 (the host waits for the step in flight), so that it can be recomputed from known tokens.
 A multi-step dispatch whose sequence drew a stop id on the device leaves its later
 placeholders undrawn: `fill` then counts only the tokens fed before the stop as cached.
@@ -262,13 +262,28 @@ class Scheduler:
         seq.tokens.append(PLACEHOLDER)
         bookings.append((seq, len(seq.tokens) - 1, lane))
     for seq, steps in zip(step.decodes, step.decode_steps):
+      slot = seq.slot
       for j in range(steps):
         seq.cached += 1
         seq.handle.computed_tokens += 1
         self.stats["decode_tokens"] += 1
         seq.tokens.append(PLACEHOLDER)
-        bookings.append((seq, len(seq.tokens) - 1, j * rows + lanes + seq.slot))
+        bookings.append((seq, len(seq.tokens) - 1, j * rows + lanes + slot))
+    for seq in {id(s): s for s, _, _ in bookings}.values():
+      if self._exhausted(seq):
+        self._vacate(seq)
     return bookings
+
+  def _vacate(self, seq: Sequence) -> None:
+    """Frees the slot and pages of a sequence whose last token is in flight (its length or
+    window reached): the next step may admit a request there, a dispatch before the host
+    learns the token. Steps run in order on the device, so the step in flight writes these
+    pages before a later one reuses them; the pages holding its unknown tokens are not
+    offered to the prefix cache."""
+    self._register(seq)
+    self.allocator.release(seq.slot)
+    self.slots[seq.slot] = None
+    seq.slot = None
 
   @staticmethod
   def fill(bookings: list[Booking], values) -> None:
@@ -307,10 +322,7 @@ class Scheduler:
     if seq.slot is None and seq in self.waiting:  # preempted, then its last token stopped it
       self.waiting.remove(seq)
     if seq.slot is not None:
-      self._register(seq)
-      self.allocator.release(seq.slot)  # pages back at once (kept ones go idle)
-      self.slots[seq.slot] = None
-      seq.slot = None
+      self._vacate(seq)  # pages back at once (kept ones go idle)
 
   def cancel(self, handle: RequestHandle) -> None:
     """Finishes the request of `handle` as "cancelled", waiting or running (no-op if done)."""
