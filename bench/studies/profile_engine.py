@@ -130,11 +130,11 @@ def main(argv=None):
   max_seq_len = 4 * (args.context + args.chunk)
   engine = Engine(model, max_slots=args.slots, max_seq_len=max_seq_len, token_budget=args.chunk,
                   min_chunk=min(128, args.chunk), decode_steps=args.decode_steps)
-  step, decode_steps = _Recorder(engine._step), _Recorder(engine._decode_steps)
-  engine._step, engine._decode_steps = step, decode_steps
   t0 = time.perf_counter()
   engine.warm_up(sampling=False)  # its requests are greedy
   log(f"warm-up {time.perf_counter() - t0:.1f} s")
+  step, decode_steps = _Recorder(engine._step), _Recorder(engine._decode_steps)
+  engine._step, engine._decode_steps = step, decode_steps
   rng = np.random.default_rng(0)
   prompt = lambda n: rng.integers(0, config.vocab_size, n).tolist()
   long_output = max_seq_len - args.context - args.chunk - 8

@@ -24,9 +24,11 @@ bursts of up to `decode_steps`).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import time
 
 import jax
@@ -176,9 +178,14 @@ class Engine:
     """Compiles the step for every chunk bucket and lane count, the decode-only steps and
     the table updates now, on inputs that change nothing, so that serving never waits for a
     compilation. sampling False compiles the greedy steps only (for a deployment whose
-    requests never sample)."""
-    for sampled in (False, True)[:1 + sampling]:
-      self._warm_up(sampled)
+    requests never sample). The steps are traced one by one and compiled together on a
+    thread each (XLA compiles without holding the interpreter lock), then run once."""
+    calls = [call for sampled in (False, True)[:1 + sampling] for call in self._warm_up_calls(sampled)]
+    lowered = [function.lower(*arguments(), **settings) for function, arguments, settings in calls]
+    with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+      list(pool.map(lambda step: step.compile(), lowered))
+    for function, arguments, settings in calls:  # compiled: each call finds its executable
+      *_, self.cache, self.workspace = function(*arguments(), **settings)
     # An update compiles once per power-of-two count of rows (`_set_rows_padded`): each
     # count here, its rows set to the values the host holds for them.
     for rows in _row_counts(self._rows):
@@ -188,25 +195,25 @@ class Engine:
           self.cache.block_table, rows, self.allocator.block_table))
     self._sampling.block_until_ready()
 
-  def _warm_up(self, sampled: bool) -> None:
+  def _warm_up_calls(self, sampled: bool) -> list:
+    """(jitted function, its arguments made from the engine's state now, its static
+    settings) for each step shape the scheduler can run: no slot feeds, no lane writes."""
     slots, zeros = self.max_slots, functools.partial(np.zeros, dtype=np.int32)
-    shapes = [(0, 0)] + [(lanes, bucket) for bucket in self.scheduler.buckets
-                         for lanes in range(1, self.scheduler.lanes_at(bucket) + 1)]
-    for lanes, bucket in shapes:
+    settings = dict(sampled=sampled, attention_impl=self.attention_impl)
+    idle = lambda: (self.params, self.cache, self.workspace, self._previous_tokens,
+                    jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)))
+
+    def step(lanes, bucket):
       prefill = None if not bucket else tuple(jnp.asarray(x) for x in (
           zeros((lanes, bucket)), zeros((lanes,)), zeros((lanes,)), zeros((lanes,))))
-      tokens, self.cache, self.workspace = self._step(
-          self.params, self.cache, self.workspace, self._previous_tokens,
-          jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)),
-          prefill, self._sampling, sampled=sampled, attention_impl=self.attention_impl)
-      tokens.block_until_ready()
+      return self._step, lambda: (*idle(), prefill, self._sampling), settings
+
+    calls = [step(0, 0)] + [step(lanes, bucket) for bucket in self.scheduler.buckets
+                            for lanes in range(1, self.scheduler.lanes_at(bucket) + 1)]
     if self.decode_steps > 1:
-      tokens, _, self.cache, self.workspace = self._decode_steps(
-          self.params, self.cache, self.workspace, self._previous_tokens,
-          jnp.full((slots,), -1, jnp.int32), *(jnp.asarray(zeros((slots,))) for _ in range(3)),
-          self._sampling, num_steps=self.decode_steps, sampled=sampled,
-          attention_impl=self.attention_impl)
-      tokens.block_until_ready()
+      calls.append((self._decode_steps, lambda: (*idle(), self._sampling),
+                    dict(settings, num_steps=self.decode_steps)))
+    return calls
 
   # ----------------------------------------------------------------------------- one step
 
