@@ -22,8 +22,9 @@ draw, which the next step already feeds from the device; `complete` fills the pl
 in once the host has the values, hands the tokens to their requests and applies the stop
 checks (a sequence that stopped may thus run one wasted step, whose result is dropped).
 A sequence is never scheduled past its max_new_tokens or its window, counting
-placeholders, and gives its slot back as soon as its last token is booked. Preempting a sequence first asks the engine to `resolve` its placeholder
-(the host waits for the step in flight), so that it can be recomputed from known tokens.
+placeholders, and gives its slot back as soon as its last token is booked. Preempting a
+sequence first asks the engine to `resolve` its placeholder (the host waits for the step in
+flight), so that it can be recomputed from known tokens.
 A multi-step dispatch whose sequence drew a stop id on the device leaves its later
 placeholders undrawn: `fill` then counts only the tokens fed before the stop as cached.
 """
