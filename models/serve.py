@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--max-seq-len", type=int, default=None, help="tokens per sequence (none: "
                       "the model's max_position_embeddings)")
   parser.add_argument("--token-budget", type=int, default=512, help="tokens one step feeds at most")
+  parser.add_argument("--prefill-lanes", type=int, default=2, help="prompt chunks a step feeds at "
+                      "most (each lane count compiles its own step)")
   parser.add_argument("--min-chunk", type=int, default=16, help="the smallest prefill chunk bucket "
                       "(a power of two; larger: fewer compilations, more padding)")
   parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per dispatch while "
@@ -89,7 +91,7 @@ def serve_model(model, tokenizer, eos_ids, args, *, model_name: str, chat_templa
   try:
     engine = Engine(model, max_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                     max_seq_len=args.max_seq_len, token_budget=args.token_budget,
-                    min_chunk=args.min_chunk, prefix_caching=not args.no_prefix_caching,
+                    prefill_lanes=args.prefill_lanes, min_chunk=args.min_chunk, prefix_caching=not args.no_prefix_caching,
                     decode_steps=args.decode_steps,
                     attention_impl=args.attention, kv_dtype=args.kv_dtype)
   except (ValueError, TypeError) as e:

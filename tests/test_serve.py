@@ -249,6 +249,7 @@ def test_stop_strings_cut_the_text():
     (["--slots", "many"], "invalid int value"),
     (["--checkpoint", "/does/not/exist"], "checkpoint folder /does/not/exist does not exist"),
     (["--slots", "0", "--port", "0"], "max_slots must be a positive int"),
+    (["--prefill-lanes", "0", "--port", "0"], "prefill_lanes must be a positive int"),
 ])
 def test_bad_flags_exit_with_one_line_and_status_2(flags, message):
   done = subprocess.run([sys.executable, "-m", "models.serve", *flags], cwd=ROOT, capture_output=True,
@@ -262,3 +263,4 @@ def test_parse_args_defaults():
   args = serve.parse_args([])
   assert isinstance(args, argparse.Namespace)
   assert (args.host, args.port, args.checkpoint) == ("127.0.0.1", 8000, None)
+  assert (args.token_budget, args.prefill_lanes, args.decode_steps) == (512, 2, 4)
