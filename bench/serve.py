@@ -308,8 +308,7 @@ def run_engine(label, model, impl, shape, trace, slots):
   from models.serving import Engine
   engine = Engine(model, max_slots=slots, page_size=16, max_seq_len=shape.max_seq_len,
                   token_budget=shape.token_budget, prefill_lanes=shape.prefill_lanes,
-                  min_chunk=shape.min_chunk,
-                  attention_impl=impl, **ENGINES[label])
+                  min_chunk=shape.min_chunk, attention_impl=impl, **ENGINES[label])
   start = time.perf_counter()
   engine.warm_up(sampling=False)  # the traces' requests are greedy
   # A few requests first (a prompt per chunk bucket, tokens the traces never use): the

@@ -91,8 +91,8 @@ def serve_model(model, tokenizer, eos_ids, args, *, model_name: str, chat_templa
   try:
     engine = Engine(model, max_slots=args.slots, page_size=args.page_size, num_pages=args.num_pages,
                     max_seq_len=args.max_seq_len, token_budget=args.token_budget,
-                    prefill_lanes=args.prefill_lanes, min_chunk=args.min_chunk, prefix_caching=not args.no_prefix_caching,
-                    decode_steps=args.decode_steps,
+                    prefill_lanes=args.prefill_lanes, min_chunk=args.min_chunk,
+                    prefix_caching=not args.no_prefix_caching, decode_steps=args.decode_steps,
                     attention_impl=args.attention, kv_dtype=args.kv_dtype)
   except (ValueError, TypeError) as e:
     raise UserError(str(e)) from e

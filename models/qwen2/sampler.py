@@ -144,8 +144,9 @@ def snapshot(x: jax.Array) -> jax.Array:
 class StepFunctions(NamedTuple):
   """The jitted prefill, decode step and multi-step decode of one model structure. All
   take the weights as a flat list of arrays first, the keyword `sampling` (a SamplingParams:
-  its values are data, so new values never recompile; its mode is static) and the static keyword `attention_impl` (decode and
-  decode_steps also `plan`: None for the default StepPlan). prefill donates the cache; decode and decode_steps the LoopState (and
+  its values are data, so new values never recompile; its mode is static) and the static
+  keyword `attention_impl` (decode and decode_steps also `plan`: None for the default
+  StepPlan). prefill donates the cache; decode and decode_steps the LoopState (and
   the history) they return: read tokens through `snapshot` before the next call.
 
     prefill(params, tokens [B, T], lengths [B], cache, key, eos_ids) -> LoopState

@@ -8,8 +8,9 @@
 
 Each step is ONE jitted call (models/serving/step.py) over prefill chunks [lanes, T] and
 every slot's decode token; T is the step's bucket (a power of two from 16 up to the token
-budget), so a run compiles at most one step per bucket plus the decode-only steps, each
-twice if some request samples (greedy-only steps trace no sampler: `Engine.compilations`).
+budget) and lanes the chunks it feeds, so a run compiles at most one step per (lanes,
+bucket) pair plus the decode-only steps, each twice if some request samples (greedy-only
+steps trace no sampler: `Engine.compilations`).
 Scheduling, pages, preemption and prefix caching are host-side (models/serving/scheduler.py,
 prefix_cache.py, models/qwen2/allocator.py).
 

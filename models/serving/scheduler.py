@@ -263,13 +263,12 @@ class Scheduler:
         seq.tokens.append(PLACEHOLDER)
         bookings.append((seq, len(seq.tokens) - 1, lane))
     for seq, steps in zip(step.decodes, step.decode_steps):
-      slot = seq.slot
       for j in range(steps):
         seq.cached += 1
         seq.handle.computed_tokens += 1
         self.stats["decode_tokens"] += 1
         seq.tokens.append(PLACEHOLDER)
-        bookings.append((seq, len(seq.tokens) - 1, j * rows + lanes + slot))
+        bookings.append((seq, len(seq.tokens) - 1, j * rows + lanes + seq.slot))
     for seq in {id(s): s for s, _, _ in bookings}.values():
       if self._exhausted(seq):
         self._vacate(seq)
