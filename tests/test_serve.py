@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -241,6 +242,25 @@ def test_stop_strings_cut_the_text():
   plain = TextAssembler(tokenizer, [])
   euro = list("€".encode())  # three bytes: no text until the character is whole
   assert [plain.feed([b], final=False) for b in euro] == ["", "", "€"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_streamed_text_equals_the_whole_text_cut_at_the_first_stop(seed):
+  """Fed in chunks of random sizes (splitting multi-byte characters), the deltas add up to
+  the whole answer's text, cut before its first stop string."""
+  rng = np.random.default_rng(seed)
+  tokenizer = byte_tokenizer()
+  alphabet = ["a", "b", " ", "é", "€", "😀", "E", "N", "D"]
+  text = "".join(rng.choice(alphabet, 60))
+  stop = ["END", "€😀"][: seed % 3]
+  ids = list(text.encode())
+  cuts = sorted(set(rng.integers(0, len(ids), 12).tolist()) | {0, len(ids)})
+  assembler = TextAssembler(tokenizer, stop)
+  chunks = [ids[a:b] for a, b in zip(cuts, cuts[1:])]
+  streamed = "".join(assembler.feed(c, final=i == len(chunks) - 1) for i, c in enumerate(chunks))
+  firsts = [i for i in (text.find(s) for s in stop) if i >= 0]
+  assert streamed == text[:min(firsts, default=len(text))]
+  assert assembler.stopped == bool(firsts)
 
 
 @pytest.mark.parametrize("flags, message", [

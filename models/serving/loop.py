@@ -16,12 +16,18 @@ a stream collects them in a thread-safe queue for iteration.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from typing import Callable, Iterator
 
 from models.serving.engine import Engine
 from models.serving.request import Request, RequestHandle
+
+# The loop's thread waits for the device with the GIL released. When the device answers it
+# should run again at once, not after Python's default 5 ms switch interval while another
+# thread (the HTTP server's event loop) holds the GIL: that wait would be a step's length.
+SWITCH_INTERVAL_S = 2e-4
 
 # on_update(new_tokens, finish_reason): called in the loop's thread; finish_reason is None
 # until the request's last update.
@@ -66,6 +72,7 @@ class EngineLoop:
     self.error: BaseException | None = None  # what stopped the loop, if anything did
 
   def start(self) -> "EngineLoop":
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
     self._thread.start()
     return self
 

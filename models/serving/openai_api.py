@@ -82,28 +82,46 @@ def sampling_options(body: dict, default_max_tokens: int | None) -> dict:
 
 class TextAssembler:
   """Token ids -> text deltas, with stop strings: text that could still turn into a stop
-  string (or an incomplete UTF-8 character) is held back until it cannot."""
+  string (or an incomplete UTF-8 character) is held back until it cannot. A feed decodes
+  only its new tokens (with the previous feed's as context), so a reply costs time linear
+  in its length, not quadratic."""
 
   def __init__(self, tokenizer, stop: list[str]):
     self.tokenizer, self.stop = tokenizer, stop
     self.tokens: list[int] = []
-    self.sent = ""  # text handed out so far
+    self.text = ""  # the text of tokens[:read_at]
+    self.sent = ""  # text handed out so far: a prefix of `text`
     self.stopped = False
+    self._context_at = self._read_at = 0
     self._hold = max((len(s) for s in stop), default=1) - 1
 
   def feed(self, tokens: list[int], final: bool) -> str:
     """The new text to hand out after `tokens`; sets `stopped` at a stop string."""
     self.tokens += tokens
-    text = self.tokenizer.decode(self.tokens)
-    cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+    self._decode_new(final)
+    # A stop string cannot begin inside the text already sent: its first `_hold` characters
+    # were held back.
+    found = (self.text.find(s, len(self.sent)) for s in self.stop)
+    cut = min((i for i in found if i >= 0), default=-1)
+    text = self.text
     if cut >= 0:
       text, final, self.stopped = text[:cut], True, True
     if not final:
       text = text[:max(len(self.sent), len(text) - self._hold)]
-      text = text.rstrip("\ufffd")  # an incomplete character: wait for its next byte
-    delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+    delta = text[len(self.sent):]
     self.sent += delta
     return delta
+
+  def _decode_new(self, final: bool) -> None:
+    """Appends the text of the tokens not yet decoded. They are decoded after the previous
+    feed's tokens and that text is cut off (a tokenizer's decode of a slice need not be a
+    slice of the whole's: leading spaces, byte-level pieces); while the new text ends in an
+    incomplete character it waits for more tokens, unless this is the last feed."""
+    context = self.tokenizer.decode(self.tokens[self._context_at:self._read_at])
+    text = self.tokenizer.decode(self.tokens[self._context_at:])
+    if len(text) > len(context) and (final or not text.endswith("\ufffd")):
+      self.text += text[len(context):]
+      self._context_at, self._read_at = self._read_at, len(self.tokens)
 
 
 class OpenAIServer:
