@@ -216,24 +216,25 @@ class OpenAIServer:
     return JSONResponse(reply.whole())
 
   async def _updates(self, request, stream, events: asyncio.Queue, reply: "_Reply"):
-    """Yields each text delta of the request until it finishes; stops early (the request
-    cancelled by the caller) if the client disconnects."""
-    polled = time.monotonic()
-    while reply.finish_reason is None:
-      try:
-        tokens, reason = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-      except asyncio.TimeoutError:
-        tokens, reason = None, None
-      if time.monotonic() - polled >= DISCONNECT_POLL_S:
-        polled = time.monotonic()
-        if await request.is_disconnected():
+    """Yields the text delta of each update (of all that queued up, when this reader falls
+    behind) until the request finishes; stops early (the request cancelled by the caller)
+    if the client disconnects. A task of its own watches for that, so that waiting for
+    tokens is a plain queue read, not a timed wait per update."""
+    watcher = asyncio.create_task(_watch_disconnect(request, events))
+    try:
+      while reply.finish_reason is None:
+        update = await events.get()
+        while update is not CLIENT_GONE and update[1] is None and not events.empty():
+          later = events.get_nowait()
+          update = later if later is CLIENT_GONE else (update[0] + later[0], later[1])
+        if update is CLIENT_GONE:
           return
-      if tokens is None:
-        continue
-      delta = reply.add(tokens, reason)
-      if reply.assembler.stopped and reason is None:
-        self.loop.cancel(stream)  # a stop string: the engine need not go on
-      yield delta
+        delta = reply.add(*update)
+        if reply.assembler.stopped and update[1] is None:
+          self.loop.cancel(stream)  # a stop string: the engine need not go on
+        yield delta
+    finally:
+      watcher.cancel()
 
   async def _sse(self, request, stream, events, reply: "_Reply"):
     try:
@@ -247,6 +248,15 @@ class OpenAIServer:
     finally:
       if reply.finish_reason is None:
         self.loop.cancel(stream)
+
+
+CLIENT_GONE = object()  # put in a request's update queue when its client disconnects
+
+
+async def _watch_disconnect(request: HttpRequest, events: asyncio.Queue) -> None:
+  while not await request.is_disconnected():
+    await asyncio.sleep(DISCONNECT_POLL_S)
+  events.put_nowait(CLIENT_GONE)
 
 
 def _event(payload: dict | None) -> str:
