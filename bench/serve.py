@@ -402,11 +402,13 @@ def main(argv=None):
   top = max(shape.rates)
   cells = [("sharegpt", top, slots, system) for slots in shape.slots
            for system in ("engine", "static", "engine_http", "generate_step", "engine_single_step")]
-  # Below saturation the slot count hardly matters: the load curve runs at the first one.
-  cells += [("sharegpt", rate, shape.slots[0], system) for rate in shape.rates if rate != top
-            for system in ("engine", "static", "engine_http")]
-  cells += [("shared_system_prompt", rate, shape.slots[0], system) for rate in shape.shared_rates
+  cells += [("shared_system_prompt", rate, shape.slots[0], system)
+            for rate in sorted(shape.shared_rates, reverse=True)
             for system in ("engine", "engine_no_prefix", "static")]
+  # Below saturation the slot count hardly matters: the load curve runs at the first one.
+  cells += [("sharegpt", rate, shape.slots[0], system)
+            for rate in sorted(shape.rates, reverse=True) if rate != top
+            for system in ("engine", "static", "engine_http")]
   cells += [("sharegpt", top, shape.slots[0], "engine_no_chunking")]
   cells = [cell for cell in cells if cell[3] in systems]
   rows = []
