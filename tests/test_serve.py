@@ -186,6 +186,14 @@ def test_loopback_load_loses_nothing(server):
     ("/v1/completions", [1, 2], "the body must be a JSON object"),
     ("/v1/chat/completions", {"messages": []}, "'messages' must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "'messages' must be a non-empty list"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "'logprobs' is not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0}, "'logprobs' is not supported"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "'echo' is not supported"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     "'logprobs' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function"}]}, "'tools' is not supported"),
 ])
 def test_bad_requests_get_400_without_disturbing_others(server, path, body, message):
   url, _ = server
@@ -196,6 +204,17 @@ def test_bad_requests_get_400_without_disturbing_others(server, path, body, mess
     error = reply.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
     assert good.result()["choices"][0]["text"] == _complete(url, "a good one", 3)["choices"][0]["text"]
+
+
+def test_unsupported_fields_left_off_are_accepted(server):
+  """Clients that send an unsupported field's off value (null, false, 0, 1 for best_of) are
+  served."""
+  url, _ = server
+  body = dict(prompt="a good one", max_tokens=3, temperature=0, logprobs=None, echo=False,
+              best_of=1, presence_penalty=0.0, frequency_penalty=0, logit_bias={})
+  reply = _post(url, "/v1/completions", body)
+  assert reply.status_code == 200
+  assert reply.json()["choices"][0]["text"] == _complete(url, "a good one", 3)["choices"][0]["text"]
 
 
 def test_malformed_json_gets_400(server):

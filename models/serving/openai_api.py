@@ -80,6 +80,27 @@ def sampling_options(body: dict, default_max_tokens: int | None) -> dict:
       stream=_optional(body, "stream", lambda v: isinstance(v, bool), "a boolean", False))
 
 
+# OpenAI request fields this server does not implement, with the values that leave them off:
+# a request that turns one on gets a 400 naming it rather than an answer that ignores it
+# (a log-likelihood evaluation asking for `logprobs` and `echo` would read nothing useful).
+UNSUPPORTED_FIELDS = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"})}
+
+
+def reject_unsupported(body: dict) -> None:
+  """BadRequest for a field of UNSUPPORTED_FIELDS set to anything but an off value (numbers
+  compare as numbers, others by type too: `false` is not `0`)."""
+  for name, off_values in UNSUPPORTED_FIELDS.items():
+    value = body.get(name)
+    if not any(value == off and (type(value) is type(off) or (_is_number(value) and _is_number(off)))
+               for off in off_values):
+      raise BadRequest(f"'{name}' is not supported by this server, got {json.dumps(value)[:80]}")
+
+
 class TextAssembler:
   """Token ids -> text deltas, with stop strings: text that could still turn into a stop
   string (or an incomplete UTF-8 character) is held back until it cannot. A feed decodes
@@ -185,6 +206,7 @@ class OpenAIServer:
       if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
       _optional(body, "model", lambda v: isinstance(v, str), "a string")
+      reject_unsupported(body)
       prompt = self._prompt_ids(body, chat)
       options = sampling_options(body, None if chat else DEFAULT_MAX_TOKENS)
       if options["max_new_tokens"] is None:  # chat: up to the window
