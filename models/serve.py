@@ -7,8 +7,9 @@
 Without --checkpoint it serves models.generate's random-weight demo model with the byte-level
 tokenizer (its text is noise; the server is real). Requests run on models.serving's engine in
 its own thread (models/serving/loop.py); the API is models/serving/openai_api.py. The URL is
-printed once the engine has compiled its steps and the server listens. A bad flag prints one
-line and exits with status 2.
+printed once the engine has compiled its steps and the server listens (minutes on a GPU: one
+step per chunk shape; with JAX_COMPILATION_CACHE_DIR set, JAX keeps the compiled steps on disk
+and a restart loads them). A bad flag prints one line and exits with status 2.
 """
 from __future__ import annotations
 
