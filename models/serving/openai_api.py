@@ -110,7 +110,7 @@ class TextAssembler:
   def __init__(self, tokenizer, stop: list[str]):
     self.tokenizer, self.stop = tokenizer, stop
     self.tokens: list[int] = []
-    self.text = ""  # the text of tokens[:read_at]
+    self.text = ""  # the text of tokens[:_read_at]
     self.sent = ""  # text handed out so far: a prefix of `text`
     self.stopped = False
     self._context_at = self._read_at = 0
