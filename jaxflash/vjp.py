@@ -125,10 +125,12 @@ def mosaic_backward(mods: ScoreMods, static_scale: float, config=None) -> Callab
   None: the default) as a `with_backward` backward, sharding-aware like the Triton one."""
   from jaxflash.mosaic.backward import mosaic_backward as kernel_launch
 
-  def kernel(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, **options):
-    del options  # mosaic_backward_reason let through only calls without array options
+  def kernel(q, k, v, q_len, kv_len, out, lse, d_out, d_lse, *, segment_ids, kv_segment_ids,
+             **options):
+    del options  # mosaic_backward_reason let through no other array option
     dq, dk, dv = kernel_launch(q, k, v, out, lse, d_out, q_len, kv_len, scale=static_scale,
-                               causal=mods.is_causal, d_lse=d_lse, config=config)
+                               causal=mods.is_causal, window=mods.window, segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids, d_lse=d_lse, config=config)
     return dq, dk, dv, None
 
   def backward(q, k, v, options: Options, out, lse, d_out, d_lse):

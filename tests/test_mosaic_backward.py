@@ -32,18 +32,25 @@ NEEDS_MOSAIC = pytest.mark.skipif(not _mosaic.AVAILABLE,
                                   reason=f"no Mosaic GPU in this JAX: {_mosaic.IMPORT_ERROR}")
 
 
-def _residuals(q, k, v, *, causal, q_lengths=None, kv_lengths=None):
+def _residuals(q, k, v, *, causal, q_lengths=None, kv_lengths=None, window=None, mask=None):
   """The forward's (out in the inputs' dtype, natural-log LSE), from the float32 reference."""
-  out, lse = attention_reference(q.astype(F32), k.astype(F32), v.astype(F32),
+  out, lse = attention_reference(q.astype(F32), k.astype(F32), v.astype(F32), None,
+                                 None if mask is None else jnp.asarray(mask),
                                  scale=q.shape[-1] ** -0.5, is_causal=causal,
-                                 query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths)
+                                 query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+                                 local_window_size=window)
   return out.astype(q.dtype), lse
 
 
-def _grads(q, k, v, d_out, q_lengths=None, kv_lengths=None, *, causal, **kwargs):
-  out, lse = _residuals(q, k, v, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+def _grads(q, k, v, d_out, q_lengths=None, kv_lengths=None, *, causal, window=None, mask=None,
+           **kwargs):
+  """mosaic_backward's gradients from the reference's residuals; `mask` [B, 1, T, S] is the
+  segment ids' explicit mask, for the residuals (kwargs carry the ids)."""
+  out, lse = _residuals(q, k, v, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                        window=window, mask=mask)
   poison_allocator(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)))
-  return mosaic_backward(q, k, v, out, lse, d_out, q_lengths, kv_lengths, causal=causal, **kwargs)
+  return mosaic_backward(q, k, v, out, lse, d_out, q_lengths, kv_lengths, causal=causal,
+                         window=window, **kwargs)
 
 
 # (batch, T, S, N, K, head_dim, dtype, causal): odd lengths, T < S and T > S, GQA groups
@@ -73,6 +80,96 @@ def test_gradients_match_float64(case, rng):
   q, k, v, d_out = _inputs(rng, b, t, s, n, kh, h, dtype)
   grads = _grads(q, k, v, d_out, causal=causal)
   _check_grads(grads, q, k, v, d_out, is_causal=causal)
+
+
+# (batch, T, S, N, K, head_dim, dtype, causal, window (left, right)): windows narrower and
+# wider than a 64-row block, one-sided and two-sided, T < S and T > S, zero width.
+WINDOW_CASES = [
+    (1, 300, 300, 6, 2, 128, BF16, True, (40, 0)),
+    (2, 200, 331, 5, 1, 64, F16, False, (37, 50)),
+    (1, 700, 650, 4, 2, 128, BF16, True, (200, 0)),
+    (1, 257, 257, 2, 1, 64, BF16, False, (0, 0)),
+    (1, 1000, 1000, 7, 1, 128, BF16, False, (300, 129)),
+]
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{_case_id(c[:8])}-w{c[8][0]}-{c[8][1]}")
+def test_window_gradients_match_float64(case, rng):
+  """Sliding windows: the key blocks outside every row's window are loop bounds, the edges
+  masked; the gradients match float64's."""
+  b, t, s, n, kh, h, dtype, causal, window = case
+  q, k, v, d_out = _inputs(rng, b, t, s, n, kh, h, dtype)
+  grads = _grads(q, k, v, d_out, causal=causal, window=window)
+  _check_grads(grads, q, k, v, d_out, is_causal=causal, window=window)
+
+
+@gpu
+@SM90_ONLY
+def test_window_with_ragged_lengths(rng):
+  q_lengths = np.array([129, 5, 100, 0], np.int32)
+  kv_lengths = np.array([137, 137, 30, 130], np.int32)
+  q, k, v, d_out = _inputs(rng, 4, 129, 137, 6, 2, 128, BF16)
+  d_out = jnp.where((np.arange(129)[None, :] < q_lengths[:, None])[:, :, None, None], d_out, 0)
+  grads = _grads(q, k, v, d_out, jnp.asarray(q_lengths), jnp.asarray(kv_lengths), causal=True,
+                 window=(70, 0))
+  _check_grads(grads, q, k, v, d_out, is_causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths,
+               window=(70, 0))
+
+
+def _packed_ids(rng, batch, n, min_len, max_len):
+  """[batch, n] int32 ids of documents of min_len..max_len tokens back to back."""
+  return np.stack([np.repeat(np.arange(n), rng.integers(min_len, max_len + 1, size=n))[:n]
+                   for _ in range(batch)]).astype(np.int32)
+
+
+def _segment_mask(q_ids, kv_ids):
+  return np.asarray(q_ids)[:, None, :, None] == np.asarray(kv_ids)[:, None, None, :]  # [B, 1, T, S]
+
+
+# (batch, T, S, N, K, head_dim, dtype, causal, ids): packed documents longer and shorter than a
+# block, ids in no order (blocks rarely skipped, every comparison made), one document.
+SEGMENT_CASES = [
+    (2, 1000, 1000, 6, 2, 128, BF16, True, ("packed", 30, 400)),
+    (1, 777, 777, 5, 1, 64, F16, True, ("packed", 1, 100)),
+    (2, 1000, 1000, 7, 1, 128, BF16, False, ("packed", 60, 500)),
+    (2, 500, 500, 4, 2, 128, BF16, True, ("scattered", 0, 4)),
+    (1, 300, 300, 8, 8, 64, BF16, True, ("packed", 300, 300)),
+]
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=lambda c: f"{_case_id(c[:8])}-{c[8][0]}{c[8][1]}_{c[8][2]}")
+def test_segment_gradients_match_float64(case, rng):
+  """Packed documents: query and key blocks whose ids cannot meet are loop bounds, the rest
+  compare ids per element; gradients as float64's with the equivalent explicit mask."""
+  b, t, s, n, kh, h, dtype, causal, (kind, lo, hi) = case
+  q, k, v, d_out = _inputs(rng, b, t, s, n, kh, h, dtype)
+  ids = (_packed_ids(rng, b, t, lo, hi) if kind == "packed"
+         else rng.integers(lo, hi, size=(b, t)).astype(np.int32))
+  mask = _segment_mask(ids, ids)
+  grads = _grads(q, k, v, d_out, causal=causal, mask=mask, segment_ids=jnp.asarray(ids))
+  _check_grads(grads, q, k, v, d_out, is_causal=causal, mask=mask)
+
+
+@gpu
+@SM90_ONLY
+def test_segments_with_lengths_window_and_t_ne_s(rng):
+  """Queries over a longer cache (T < S), ragged lengths, a window and ids of the keys' own:
+  each restriction ANDed with the documents."""
+  q, k, v, d_out = _inputs(rng, 2, 300, 700, 6, 2, 128, BF16)
+  kv_ids = _packed_ids(rng, 2, 700, 50, 300)
+  q_ids = kv_ids[:, 400:]  # the queries are the last 300 keys' tokens
+  q_len, kv_len = np.array([300, 250], np.int32), np.array([700, 650], np.int32)
+  d_out = jnp.where((np.arange(300)[None, :] < q_len[:, None])[:, :, None, None], d_out, 0)
+  mask = _segment_mask(q_ids, kv_ids)
+  grads = _grads(q, k, v, d_out, jnp.asarray(q_len), jnp.asarray(kv_len), causal=True,
+                 window=(200, 0), mask=mask, segment_ids=jnp.asarray(q_ids),
+                 kv_segment_ids=jnp.asarray(kv_ids))
+  _check_grads(grads, q, k, v, d_out, is_causal=True, q_lengths=q_len, kv_lengths=kv_len,
+               window=(200, 0), mask=mask)
 
 
 @gpu
@@ -144,17 +241,23 @@ def test_deterministic(rng):
 
 @gpu
 @SM90_ONLY
-def test_mosaic_forward_with_mosaic_backward(rng):
+@pytest.mark.parametrize("window,packed", [(None, False), ((100, 0), False), (None, True)],
+                         ids=["causal", "window", "packed"])
+def test_mosaic_forward_with_mosaic_backward(window, packed, rng):
   """jax.grad through jaxflash.attention with backward_implementation="mosaic": the Mosaic
   prefill and this backward as its VJP."""
   import jaxflash
+  ids = _packed_ids(rng, 1, 300, 20, 150) if packed else None
 
   def attend(q, k, v):
-    return jaxflash.attention(q, k, v, is_causal=True, backward_implementation="mosaic")
+    return jaxflash.attention(q, k, v, is_causal=True, local_window_size=window,
+                              segment_ids=None if ids is None else jnp.asarray(ids),
+                              backward_implementation="mosaic")
 
   q, k, v, d_out = _inputs(rng, 1, 300, 300, 6, 2, 128, BF16)
   grads = jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1](d_out))(q, k, v)
-  _check_grads(grads, q, k, v, d_out, is_causal=True)
+  _check_grads(grads, q, k, v, d_out, is_causal=True, window=window,
+               mask=None if ids is None else _segment_mask(ids, ids))
 
 
 @gpu
@@ -189,6 +292,9 @@ def test_reason_none_on_hopper():
   assert backward_reason(Q, KV, KV, info=H200, is_causal=True) is None
   q64, kv64 = _struct((2, 7, 5, 64), F16), _struct((2, 9, 1, 64), F16)
   assert backward_reason(q64, kv64, kv64, info=H200) is None
+  assert backward_reason(Q, KV, KV, info=H200, is_causal=True, local_window_size=(8, 0)) is None
+  ids = _struct((1, 100), jnp.int32)
+  assert backward_reason(Q, Q, Q, info=H200, segment_ids=ids, kv_segment_ids=ids) is None
 
 
 @NEEDS_MOSAIC
@@ -199,9 +305,8 @@ def test_reason_other_gpus(info):
 
 @NEEDS_MOSAIC
 @pytest.mark.parametrize("option,value", [
-    ("local_window_size", (8, 0)), ("logits_soft_cap", 30.0), ("bias", np.zeros((1,))),
-    ("mask", np.ones((1,), bool)), ("sinks", np.zeros((6,))), ("segment_ids", np.zeros((1, 100))),
-    ("kv_segment_ids", np.zeros((1, 90)))])
+    ("logits_soft_cap", 30.0), ("bias", np.zeros((1,))),
+    ("mask", np.ones((1,), bool)), ("sinks", np.zeros((6,)))])
 def test_reason_names_unserved_options(option, value):
   reason = backward_reason(Q, KV, KV, info=H200, **{option: value})
   assert reason is not None and option in reason
@@ -320,8 +425,12 @@ def test_bad_arguments_raise_naming_them():
     mosaic_backward(q, k, v, out, lse, d_out[:, :4])
   with pytest.raises(TypeError, match="query"):
     mosaic_backward(q.astype(F32), k, v, out, lse, d_out)
-  with pytest.raises(NotImplementedError, match="window"):
-    mosaic_backward(q, k, v, out, lse, d_out, window=(4, 0))
+  with pytest.raises(ValueError, match="segment_ids"):
+    mosaic_backward(q, k, v, out, lse, d_out, segment_ids=jnp.zeros((1, 7), jnp.int32))
+  with pytest.raises(TypeError, match="segment_ids"):
+    mosaic_backward(q, k, v, out, lse, d_out, segment_ids=jnp.zeros((1, 8), F32))
+  with pytest.raises(ValueError, match="local_window_size"):
+    mosaic_backward(q, k, v, out, lse, d_out, window=(-1, 0))
   q80, k80 = _inputs(rng, 1, 8, 8, 2, 1, 80, BF16)[:2]
   with pytest.raises(ValueError, match="head dims"):
     mosaic_backward(q80, k80, k80, q80, lse, q80)
@@ -334,6 +443,30 @@ def test_off_gpu_raises_not_implemented():
   q, k, v, d_out = _inputs(rng, 1, 8, 8, 2, 1, 64, BF16)
   with pytest.raises(NotImplementedError):
     mosaic_backward(q, k, v, q, jnp.zeros((1, 8, 2), F32), d_out)
+
+
+@CPU_ONLY
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("causal,window,segments,head_dim", [
+    (True, None, False, 128), (True, (70, 0), False, 128), (False, (37, 50), False, 64),
+    (True, None, True, 128), (False, (70, 3), True, 64)],
+    ids=["causal", "causal-window", "two-sided-window", "segments", "segments-window"])
+def test_kernels_trace_and_lower(causal, window, segments, head_dim, monkeypatch):
+  """Off the GPU the kernels cannot run, but with windows and segment ids they trace and
+  lower for CUDA (T != S, GQA 3)."""
+  from jaxflash.mosaic import backward
+  monkeypatch.setattr(_mosaic, "on_gpu", lambda: True)
+  monkeypatch.setattr(backward, "device_info", lambda: H200)
+  q, kv = _struct((2, 300, 6, head_dim)), _struct((2, 333, 2, head_dim))
+  lse = _struct((2, 300, 6), F32)
+  ids = (_struct((2, 300), jnp.int32), _struct((2, 333), jnp.int32)) if segments else (None, None)
+
+  def run(q, k, v, out, lse, d_out, q_ids, kv_ids):
+    return mosaic_backward(q, k, v, out, lse, d_out, causal=causal, window=window,
+                           segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+  lowered = jax.jit(run).trace(q, kv, kv, q, lse, q, *ids).lower(lowering_platforms=("cuda",))
+  assert lowered.as_text().count("mosaic_gpu") >= 2  # the dK/dV and the dQ kernels
 
 
 @gpu

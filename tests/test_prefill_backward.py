@@ -32,18 +32,23 @@ MULTIPLE = 3.0
 EPS = {jnp.dtype(F32): 1e-5, jnp.dtype(F16): 2e-3, jnp.dtype(BF16): 1e-2}
 
 
-def _visible(b, t, s, is_causal, q_lengths, kv_lengths):
+def _visible(b, t, s, is_causal, q_lengths, kv_lengths, window=None):
+  """[B, 1, T, S] bool, bottom-right: row t at key position p = t + kv_len - q_len sees
+  p - left <= s <= p + right (window (left, right)), s <= p when causal."""
   q_len = np.full(b, t) if q_lengths is None else np.asarray(q_lengths)
   kv_len = np.full(b, s) if kv_lengths is None else np.asarray(kv_lengths)
   rows, cols = np.arange(t)[None, :, None], np.arange(s)[None, None, :]
   visible = (rows < q_len[:, None, None]) & (cols < kv_len[:, None, None])
+  position = rows + (kv_len - q_len)[:, None, None]
   if is_causal:
-    visible &= cols <= rows + (kv_len - q_len)[:, None, None]
+    visible &= cols <= position
+  if window is not None:
+    visible &= (cols >= position - window[0]) & (cols <= position + window[1])
   return visible[:, None]  # [B, 1, T, S]
 
 
 def grads_f64(q, k, v, d_out, *, is_causal=False, q_lengths=None, kv_lengths=None, scale=None,
-              d_lse=None):
+              d_lse=None, window=None, mask=None):
   """Float64 NumPy (dq, dk, dv) of bottom-right attention (and of its LSE, with d_lse)."""
   q, k, v, d_out = (np.asarray(jnp.asarray(x, F32), np.float64) for x in (q, k, v, d_out))
   b, t, n, h = q.shape
@@ -51,7 +56,9 @@ def grads_f64(q, k, v, d_out, *, is_causal=False, q_lengths=None, kv_lengths=Non
   g = n // kh
   scale = h ** -0.5 if scale is None else scale
   kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # [B, S, N, H]
-  visible = _visible(b, t, s, is_causal, q_lengths, kv_lengths)
+  visible = _visible(b, t, s, is_causal, q_lengths, kv_lengths, window)
+  if mask is not None:  # [B, 1, T, S] bool, e.g. segment ids as an explicit mask
+    visible = visible & np.asarray(mask)
   scores = np.where(visible, np.einsum("btnh,bsnh->bnts", q, kr) * scale, -np.inf)
   m = scores.max(-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0.)
@@ -85,9 +92,12 @@ def _xla_in_dtype_grads(q, k, v, d_out, visible):
   return jax.vjp(attend, q, k, v)[1](d_out)
 
 
-def _check_grads(grads, q, k, v, d_out, *, is_causal, q_lengths=None, kv_lengths=None):
-  want = grads_f64(q, k, v, d_out, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
-  visible = jnp.asarray(_visible(q.shape[0], q.shape[1], k.shape[1], is_causal, q_lengths, kv_lengths))
+def _check_grads(grads, q, k, v, d_out, *, is_causal, q_lengths=None, kv_lengths=None,
+                 window=None, mask=None):
+  want = grads_f64(q, k, v, d_out, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                   window=window, mask=mask)
+  visible = _visible(q.shape[0], q.shape[1], k.shape[1], is_causal, q_lengths, kv_lengths, window)
+  visible = jnp.asarray(visible if mask is None else visible & np.asarray(mask))
   baseline = _xla_in_dtype_grads(q, k, v, d_out, visible)
   for name, got, ref, base, x in zip(("dq", "dk", "dv"), grads, want, baseline, (q, k, v)):
     chex.assert_shape(got, x.shape)

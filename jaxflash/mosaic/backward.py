@@ -34,11 +34,13 @@ memory with atomics (seven matrix products a block instead of five; Tri Dao on t
 7-GEMM forms, flash-attention issue #1172), and in exchange is deterministic: every element is
 summed in one fixed order, so repeated calls give bitwise-equal gradients.
 
-Causal attention is loop bounds: a key block's CTA starts at the first query block that sees
-any of its keys, a query block's CTA stops after the last key block it sees, and only the
-blocks that straddle the diagonal or the end of the keys run the mask. The bounds come from the
-per-sequence lengths in the kernel (data: no recompiles). Query t sits at key position
-t + kv_len - q_len (bottom-right), as in the forward.
+Causal attention and sliding windows are loop bounds (`score_mods.query_blocks` and
+`key_blocks`, the forward's rule seen from either side): a key block's CTA runs only the query
+blocks with a row that sees one of its keys, a query block's CTA only the key blocks one of its
+rows sees, and only the blocks that straddle the diagonal, a window edge or the end of the keys
+run the mask. The bounds come from the per-sequence lengths in the kernel (data: no
+recompiles). Query t sits at key position t + kv_len - q_len (bottom-right), as in the
+forward.
 
 Layout: query [B, T, N, H], key/value [B, S, K, H]; H = 64 or 128; bf16 or fp16. T and S
 are padded with zeros outside the kernels to whole tiles; with lengths, rows and keys past each
@@ -60,8 +62,13 @@ from jaxflash.device import DeviceInfo, device_info
 # Shared with the forward (the register split between producer and consumers, the tile
 # swizzle, the dtypes).
 from jaxflash.mosaic.config import DTYPES, SWIZZLE_BYTES, device_reason, registers, round_up
+from jaxflash.mosaic.mask import KeyMask, iota
+from jaxflash.mosaic.pipeline import KeyBlocks, QueryBlocks
+from jaxflash.mosaic.segments import Segments, block_ranges, check_segment_ids, pad_ids
+from jaxflash.score_mods import ScoreMods, window_size
 
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA: they share each streamed tile
+NUM_SEGMENT_ARRAYS = 4  # q_ids, kv_ids and the two kernels' block ranges
 HEAD_DIMS = (64, 128)
 SMEM_RESERVE = 1024  # barriers
 
@@ -118,8 +125,8 @@ def backward_reason(query, key, value, *, info: DeviceInfo | None = None, is_cau
   if reason is not None:
     return reason
   info = info or device_info()
-  options = dict(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap, bias=bias,
-                 mask=mask, sinks=sinks, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  del local_window_size, segment_ids, kv_segment_ids  # served
+  options = dict(logits_soft_cap=logits_soft_cap, bias=bias, mask=mask, sinks=sinks)
   for name, value_ in options.items():
     if value_ is not None:
       return f"{name} is not supported by the Mosaic backward yet"
@@ -183,18 +190,6 @@ def _load_rows(ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
-def _lengths(q_len_ref, kv_len_ref, batch, seq_q: int, seq_kv: int):
-  """(valid rows, valid keys, shift): query t sits at key position t + shift."""
-  q_len, kv_len = q_len_ref[batch], kv_len_ref[batch]
-  q_valid = jnp.minimum(jnp.maximum(q_len, 0), seq_q)
-  kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), seq_kv)
-  return q_valid, kv_valid, kv_len - q_len
-
-
-def _cdiv(x, m: int):
-  return lax.div(x + (m - 1), m)
-
-
 def _dkdv_kernel(
     q_len_ref,  # [B] int32 GMEM
     kv_len_ref,  # [B] int32 GMEM
@@ -213,7 +208,9 @@ def _dkdv_kernel(
     k_loaded, v_loaded,  # [2] barriers: a consumer's K / V tile landed
     q_ready, do_ready, lse_ready, delta_ready,  # [stages] barriers: a slot's TMA landed
     slot_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
-    *, qk_scale: float, scale: float, causal: bool, block_q: int, block_kv: int,
+    *, segment_refs=None,  # packed documents: (q_ids [B, T_pad], kv_ids [B, S_pad], the
+                           # dQ kernel's ranges, this kernel's [B, S_pad // block_kv, 4]) int32
+    qk_scale: float, scale: float, mods: ScoreMods, block_q: int, block_kv: int,
     num_stages: int, seq_q: int, seq_kv: int, group: int, splits: int,
 ):
   dtype = q_ref.dtype
@@ -224,12 +221,15 @@ def _dkdv_kernel(
   heads = group // splits  # query heads of this part: kv_head * group + split * heads + [0, heads)
   first_head = kv_head * group + split * heads
   cta_base = kv_tile * (NUM_CONSUMERS * block_kv)
-  q_valid, kv_valid, shift = _lengths(q_len_ref, kv_len_ref, batch, seq_q, seq_kv)
-  # Query blocks [lo, hi) hold a row that sees one of this CTA's keys: under the causal
-  # mask, rows t with t + shift >= cta_base. None when every key is past the sequence's.
-  hi = jnp.where(cta_base < kv_valid, _cdiv(q_valid, block_q), 0)
-  lo = lax.div(jnp.maximum(cta_base - shift, 0), block_q) if causal else jnp.int32(0)
-  lo = jnp.minimum(lo, hi)
+  # The keys' view of the segment ids: its "rows" are keys, its "keys" query rows.
+  segments = None if segment_refs is None else Segments(
+      segment_refs[1], segment_refs[0], segment_refs[3], block_kv, block_q)
+  blocks = QueryBlocks(q_len_ref, kv_len_ref, mods, block_q, block_kv, seq_q, seq_kv,
+                       NUM_CONSUMERS, segments)
+  _, kv_valid, shift = blocks.lengths(batch)
+  # Query blocks [lo, hi) hold a row that sees one of this CTA's valid keys (the causal
+  # diagonal, a window and the documents bound them).
+  lo, hi = blocks.of_tile(batch, kv_tile)
   count = hi - lo  # query blocks per query head of the group
   consumer_registers, producer_registers = registers(NUM_CONSUMERS)
 
@@ -242,16 +242,30 @@ def _dkdv_kernel(
     k_tile, v_tile = k_smem.at[own], v_smem.at[own]
     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, k_loaded.at[wg])
     plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, v_loaded.at[wg])
-    # Blocks from full_lo on have every row past this consumer's last key (and the keys are
-    # all valid): no mask there.
-    if causal:
-      full_lo = _cdiv(jnp.maximum(k_base + block_kv - 1 - shift, 0), block_q)
-    else:
-      full_lo = lo
-    full_lo = jnp.where(k_base + block_kv <= kv_valid, jnp.clip(full_lo, lo, hi), hi)
+    # Every row of the query blocks [full_lo, full_hi) sees all of this consumer's keys: no
+    # mask there. The rest of the CTA's [lo, hi) runs masked: both consumers take every slot
+    # the producer fills.
+    _, full_lo, full_hi, _ = blocks.of_keys(batch, k_base)
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
+    key_ids = None if segments is None else segments.row_ids(batch, k_base)  # [block_kv]
 
-    def iota(dim):
-      return plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), dim, layout=plgpu.Layout.WGMMA)
+    def visible_t(i):
+      """[block_kv, block_q] bool: key k_base + r seen by row i * block_q + c (`KeyMask`
+      transposed: p - left <= s <= p + right and s < kv_valid, p = t + shift, and with
+      segments the same document)."""
+      shape = (block_kv, block_q)
+      keys = iota(shape, 0) + k_base
+      positions = iota(shape, 1) + (i * block_q + shift)
+      ok = keys < kv_valid
+      if mods.right is not None:
+        ok &= keys <= positions + mods.right
+      if mods.left is not None:
+        ok &= keys >= positions - mods.left
+      if segments is not None:
+        ok &= (lax.broadcast_in_dim(key_ids, shape, [0])
+               == lax.broadcast_in_dim(segments.key_ids(batch, i), shape, [1]))
+      return ok
 
     zero_scores = plgpu.layout_cast(jnp.zeros((block_kv, block_q), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -272,13 +286,7 @@ def _dkdv_kernel(
         lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
         p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
         if masked:
-          key_pos = iota(0) + k_base
-          if causal:  # key s is visible to row t when s <= t + shift and s < kv_valid
-            limit = jnp.minimum(iota(1) + (i * block_q + shift), kv_valid - 1)
-            visible = key_pos <= limit
-          else:
-            visible = key_pos < kv_valid
-          p_t = jnp.where(visible, p_t, 0.0)
+          p_t = jnp.where(visible_t(i), p_t, 0.0)
         p_t = lax.optimization_barrier(p_t)  # the exponentials stay ahead of the wait for dP^T
         dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
         delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
@@ -298,7 +306,8 @@ def _dkdv_kernel(
       masked = functools.partial(step, head_step=head_step, masked=True)
       whole = functools.partial(step, head_step=head_step, masked=False)
       carry = lax.fori_loop(lo, full_lo, masked, carry)
-      return lax.fori_loop(full_lo, hi, whole, carry)
+      carry = lax.fori_loop(full_lo, full_hi, whole, carry)
+      return lax.fori_loop(full_hi, hi, masked, carry)
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     plgpu.barrier_wait(k_loaded.at[wg])
@@ -352,7 +361,8 @@ def _dq_kernel(
     rows_loaded,  # [4 * 2] barriers: a consumer's Q, dO, LSE, delta landed
     k_ready, v_ready,  # [stages] barriers
     slot_free,  # [stages] barriers, 2 arrivals
-    *, qk_scale: float, scale: float, causal: bool, block_q: int, block_kv: int,
+    *, segment_refs=None,  # as the dK/dV kernel's
+    qk_scale: float, scale: float, mods: ScoreMods, block_q: int, block_kv: int,
     num_stages: int, seq_q: int, seq_kv: int, group: int, num_q_tiles: int,
 ):
   dtype = q_ref.dtype
@@ -363,13 +373,11 @@ def _dq_kernel(
   head, batch = lax.axis_index("head"), lax.axis_index("batch")
   kv_head = lax.div(head, group)
   cta_base = tile * (NUM_CONSUMERS * block_q)
-  q_valid, kv_valid, shift = _lengths(q_len_ref, kv_len_ref, batch, seq_q, seq_kv)
-  # Key blocks [0, hi) hold a key one of this CTA's valid rows sees.
-  kv_end = kv_valid
-  if causal:
-    last_row = jnp.minimum(cta_base + NUM_CONSUMERS * block_q, q_valid) - 1
-    kv_end = jnp.clip(last_row + shift + 1, 0, kv_valid)
-  hi = jnp.where(cta_base < q_valid, _cdiv(kv_end, block_kv), 0)
+  segments = None if segment_refs is None else Segments(*segment_refs[:3], block_q, block_kv)
+  blocks = KeyBlocks(q_len_ref, kv_len_ref, mods, block_q, block_kv, seq_q, seq_kv, NUM_CONSUMERS,
+                     segments)
+  # Key blocks [lo, hi) hold a key one of this CTA's valid rows sees (the forward's bounds).
+  lo, hi = blocks.of_tile(batch, tile)
   consumer_registers, producer_registers = registers(NUM_CONSUMERS)
 
   @pl.when(wg < NUM_CONSUMERS)
@@ -384,14 +392,13 @@ def _dq_kernel(
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_tile, loaded[1])
     plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], loaded[2])
     plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], loaded[3])
-    # Key blocks before full_hi are seen whole by every row of this consumer.
-    full_hi = lax.div(kv_valid, block_kv)
-    if causal:
-      full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(q_base + shift + 1, 0), block_kv))
-    full_hi = jnp.clip(full_hi, 0, hi)
-
-    def iota(dim):
-      return plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), dim, layout=plgpu.Layout.WGMMA)
+    # Key blocks [full_lo, full_hi) are seen whole by every row of this consumer; the rest
+    # of the CTA's [lo, hi) runs masked.
+    (_, full_lo, full_hi, _), (_, shift, kv_valid) = blocks.of_rows(batch, q_base)
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
+    mask = KeyMask(mods, block_q, block_kv, segments)
+    row_ids = None if segments is None else segments.row_ids(batch, q_base)  # [block_q]
 
     zero_scores = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -401,7 +408,7 @@ def _dq_kernel(
     delta = _load_rows(delta_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
 
     def step(j, dq, *, masked: bool):
-      slot = lax.rem(j, num_stages)
+      slot = lax.rem(j - lo, num_stages)
       k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(v_ready.at[slot])
@@ -411,14 +418,9 @@ def _dq_kernel(
         plgpu.wgmma(s_ref, q_tile, k_tile.T)  # S = Q K^T
         plgpu.wgmma(dp_ref_, do_tile, v_tile.T)  # dP = dO V^T, beside the exponentials
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+        if masked:  # -inf scores: P = 0 (exp2(-inf - LSE), the LSE finite or +inf)
+          s = mask.apply(s, j, q_base, shift, kv_valid, batch, row_ids)
         p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
-        if masked:
-          key_pos = iota(1) + j * block_kv
-          if causal:
-            visible = key_pos <= jnp.minimum(iota(0) + (q_base + shift), kv_valid - 1)
-          else:
-            visible = key_pos < kv_valid
-          p = jnp.where(visible, p, 0.0)
         p = lax.optimization_barrier(p)  # the exponentials stay ahead of the wait for dP
         dp = plgpu.wgmma_accumulator_load(dp_ref_, wait_n=0)
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
@@ -430,8 +432,10 @@ def _dq_kernel(
       return dq
 
     dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    dq = lax.fori_loop(0, full_hi, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
+    masked, whole = (functools.partial(step, masked=m) for m in (True, False))
+    dq = lax.fori_loop(lo, full_lo, masked, dq)
+    dq = lax.fori_loop(full_lo, full_hi, whole, dq)
+    dq = lax.fori_loop(full_hi, hi, masked, dq)
     q_tile[...] = (dq * scale).astype(dtype)  # (the last wgmma reading Q has completed)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[rows])
@@ -441,11 +445,11 @@ def _dq_kernel(
   def _producer():
     plgpu.set_max_registers(producer_registers, action="decrease")
 
-    @pl.loop(0, hi)
+    @pl.loop(lo, hi)
     def _(j):
-      slot = lax.rem(j, num_stages)
+      slot = lax.rem(j - lo, num_stages)
       keys = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-      pl.when(j >= num_stages)(lambda: plgpu.barrier_wait(slot_free.at[slot]))
+      pl.when(j - lo >= num_stages)(lambda: plgpu.barrier_wait(slot_free.at[slot]))
       plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
@@ -472,23 +476,37 @@ def _check_args(query, key, value, out, lse, d_out):
     raise ValueError(f"lse must be [B, T, N] = {tuple(query.shape[:3])}, got {tuple(lse.shape)}")
 
 
-def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardConfig,
-            scale: float, causal: bool, seq_q: int, seq_kv: int, sm_count: int):
-  """The two kernels on padded operands (shapes as in `_dkdv_kernel`) -> padded (dq, dk, dv)."""
+def _with_segment_refs(kernel, segments: bool):
+  """The kernel, taking the four segment arrays' refs after the eight inputs (as the keyword
+  `segment_refs`) when `segments`."""
+  if not segments:
+    return kernel
+
+  def with_refs(*refs):
+    kernel(*refs[:8], *refs[8 + NUM_SEGMENT_ARRAYS:], segment_refs=refs[8:8 + NUM_SEGMENT_ARRAYS])
+
+  return with_refs
+
+
+def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
+            config: MosaicBackwardConfig, scale: float, mods: ScoreMods, seq_q: int, seq_kv: int,
+            sm_count: int):
+  """The two kernels on padded operands (shapes as in `_dkdv_kernel`; segment_arrays: none,
+  or its `segment_refs`' arrays) -> padded (dq, dk, dv)."""
   batch, seq_q_pad, num_heads, head_dim = q.shape
   seq_kv_pad, num_kv_heads = k.shape[1], k.shape[2]
   block_q, block_kv = config.block_q, config.block_kv
   swizzled = _swizzled()
   dtype = q.dtype
   group = num_heads // num_kv_heads
-  common = dict(qk_scale=scale * LOG2_E, scale=scale, causal=causal, block_q=block_q,
+  common = dict(qk_scale=scale * LOG2_E, scale=scale, mods=mods, block_q=block_q,
                 block_kv=block_kv, num_stages=config.num_stages, seq_q=seq_q, seq_kv=seq_kv,
                 group=group)
   params = plgpu.CompilerParams(approx_math=True)
   threads = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg")
-  operands = (q_len, kv_len, q, k, v, do, lse2, delta)
+  operands = (q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays)
 
-  splits = head_splits(k.shape, group, config, causal=causal, sm_count=sm_count)
+  splits = head_splits(k.shape, group, config, causal=mods.is_causal, sm_count=sm_count)
   owned = plgpu.SMEM((NUM_CONSUMERS * block_kv, head_dim), dtype, **swizzled)
   ring = plgpu.SMEM((config.num_stages, block_q, head_dim), dtype, **swizzled)
   stats_ring = plgpu.SMEM((config.num_stages, block_q), jnp.float32)
@@ -499,7 +517,8 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardCo
              plgpu.Barrier(num_barriers=NUM_CONSUMERS),
              *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
              plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)]
-  dkdv = functools.partial(_dkdv_kernel, splits=splits, **common)
+  dkdv = _with_segment_refs(functools.partial(_dkdv_kernel, splits=splits, **common),
+                            bool(segment_arrays))
   dkdv.__name__ = "mosaic_backward_dkdv"
   dk, dv = plgpu.kernel(
       dkdv, out_type=(partials, partials), scratch_types=scratch, compiler_params=params,
@@ -511,7 +530,8 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *, config: MosaicBackwardCo
   dk, dv = (x.reshape(splits, *k.shape).sum(axis=0).astype(dtype) for x in (dk, dv))
 
   num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
-  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common)
+  dq_kernel = _with_segment_refs(functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common),
+                                 bool(segment_arrays))
   dq_kernel.__name__ = "mosaic_backward_dq"
   rows_owned = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled)
   kv_ring = plgpu.SMEM((config.num_stages, block_kv, head_dim), dtype, **swizzled)
@@ -541,15 +561,14 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   int [B], bottom-right alignment as in the forward. dK/dV are summed over each KV head's
   group of query heads inside the kernel. Deterministic (no atomics).
 
-  window, segment_ids and kv_segment_ids are not served yet: they raise
-  NotImplementedError (`backward_reason` says so before the call).
+  window: the forward's `local_window_size` (w or (left, right)), as there: row t at key
+  position p sees keys p - left ... p + right. segment_ids [B, T] and kv_segment_ids [B, S]
+  (int; the latter defaults to the former when T == S): packed documents, as in the forward.
   """
-  for name, option in (("window", window), ("segment_ids", segment_ids),
-                       ("kv_segment_ids", kv_segment_ids)):
-    if option is not None:
-      raise NotImplementedError(f"{name} is not supported by the Mosaic backward yet; use "
-                                "jaxflash.prefill_backward")
+  mods = ScoreMods(is_causal=bool(causal), window=window_size(window))
   _check_args(query, key, value, out, lse, d_out)
+  q_ids, kv_ids = check_segment_ids(segment_ids, kv_segment_ids, query.shape[0], query.shape[1],
+                                    key.shape[1])
   if not _mosaic.AVAILABLE:
     raise NotImplementedError(f"Pallas Mosaic GPU does not import here: {_mosaic.IMPORT_ERROR}")
   batch, seq_q, num_heads, head_dim = query.shape
@@ -598,13 +617,20 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
     k, v = jnp.where(keys_ok, k, 0), jnp.where(keys_ok, v, 0)
   pad4 = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
   q, do, k, v = pad4(q, seq_q_pad), pad4(do, seq_q_pad), pad4(k, seq_kv_pad), pad4(v, seq_kv_pad)
+  segment_arrays = ()
+  if q_ids is not None:
+    # Per query block the key blocks whose ids may meet (dQ), per key block the query blocks
+    # (dK/dV): `segments.block_ranges` from either side.
+    q_ids, kv_ids = pad_ids(q_ids, seq_q_pad), pad_ids(kv_ids, seq_kv_pad)
+    segment_arrays = (q_ids, kv_ids, block_ranges(q_ids, kv_ids, block_q, block_kv),
+                      block_ranges(kv_ids, q_ids, block_kv, block_q))
 
-  launch = functools.partial(_launch, config=config, scale=scale, causal=bool(causal), seq_q=seq_q,
+  launch = functools.partial(_launch, config=config, scale=scale, mods=mods, seq_q=seq_q,
                              seq_kv=seq_kv, sm_count=device_info().sm_count)
 
   @jax.custom_batching.custom_vmap
-  def run_kernels(q_len, kv_len, q, k, v, do, lse2, delta):
-    return launch(q_len, kv_len, q, k, v, do, lse2, delta)
+  def run_kernels(*operands):
+    return launch(*operands)
 
   @run_kernels.def_vmap
   def _vmap_rule(axis_size, in_batched, *operands):
@@ -615,7 +641,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
     unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
     return tuple(unfold(g) for g in grads), (True, True, True)
 
-  dq, dk, dv = run_kernels(q_len, kv_len, q, k, v, do, lse2, delta)
+  dq, dk, dv = run_kernels(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays)
   return dq[:, :seq_q], dk[:, :seq_kv], dv[:, :seq_kv]
 
 

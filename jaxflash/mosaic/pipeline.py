@@ -20,7 +20,7 @@ from jaxflash import _mosaic
 from jaxflash._mosaic import pl, plgpu
 from jaxflash.mosaic.config import WARPGROUP_THREADS
 from jaxflash.mosaic.segments import Segments
-from jaxflash.score_mods import ScoreMods, key_blocks
+from jaxflash.score_mods import ScoreMods, key_blocks, query_blocks
 
 SCHEDULE_ID = 8  # first hardware named barrier of the turns (Mosaic GPU uses the low IDs)
 
@@ -66,10 +66,9 @@ class TileScheduler:
 
 
 @dataclasses.dataclass(frozen=True)
-class KeyBlocks:
-  """Key block bounds of query rows: causal masks and windows are loop bounds
-  (jaxflash.score_mods.key_blocks, as in the Triton prefill), computed in the kernel from
-  the per-sequence lengths (data, not shapes: no recompiles)."""
+class _Bounds:
+  """What the loop bounds of a sequence's blocks are computed from: its lengths (data, not
+  shapes: no recompiles), the static options and the tiles."""
 
   q_len_ref: object  # [B] int32 GMEM: query count per sequence
   kv_len_ref: object  # [B] int32 GMEM: key count per sequence
@@ -81,15 +80,26 @@ class KeyBlocks:
   num_consumers: int
   segments: Segments | None = None  # packed documents: blocks whose ids cannot meet skipped
 
+  def lengths(self, batch):
+    """(valid rows, valid keys, shift) of sequence `batch`: query t sits at key position
+    t + shift (bottom-right alignment)."""
+    q_len, kv_len = self.q_len_ref[batch], self.kv_len_ref[batch]
+    q_valid = jnp.minimum(jnp.maximum(q_len, 0), self.seq_q)
+    kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), self.seq_kv)
+    return q_valid, kv_valid, kv_len - q_len
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyBlocks(_Bounds):
+  """Key block bounds of query rows: causal masks and windows are loop bounds
+  (jaxflash.score_mods.key_blocks, as in the Triton prefill), computed in the kernel from
+  the per-sequence lengths."""
+
   def of_rows(self, batch, q_base):
     """Key blocks (lo, full_lo, full_hi, hi) of rows [q_base, q_base + block_q) of sequence
     `batch`, as score_mods.key_blocks gives them (all zero when no row is valid), and the
     sequence's valid rows, key shift and valid keys."""
-    # Query t of this sequence sits at key position t + shift (bottom-right alignment).
-    q_len, kv_len = self.q_len_ref[batch], self.kv_len_ref[batch]
-    q_valid = jnp.minimum(jnp.maximum(q_len, 0), self.seq_q)
-    kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), self.seq_kv)
-    shift = kv_len - q_len
+    q_valid, kv_valid, shift = self.lengths(batch)
     rows_end = jnp.minimum(q_base + self.block_q, q_valid)
     blocks = key_blocks(self.mods, q_base, rows_end - 1, shift, kv_valid, self.block_kv)
     blocks = [jnp.where(rows_end > q_base, x, 0) for x in blocks]
@@ -110,6 +120,39 @@ class KeyBlocks:
       return blocks[0][0], hi
     # With segment ids any consumer's blocks may start first: the earliest start among the
     # consumers that have blocks (none: an empty range).
+    return functools.reduce(jnp.minimum, [jnp.where(b[3] > b[0], b[0], hi) for b in blocks]), hi
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryBlocks(_Bounds):
+  """`KeyBlocks` seen from the keys, for the backward's dK/dV kernel: the query blocks
+  (lo, full_lo, full_hi, hi) that see a block of keys (jaxflash.score_mods.query_blocks),
+  narrowed by the segment ids' block ranges. `segments` is the keys' view: `Segments` over
+  (kv_ids, q_ids) with block_ranges(kv_ids, q_ids, block_kv, block_q), so its "rows" are
+  keys and its "keys" query rows."""
+
+  def of_keys(self, batch, k_base):
+    """Query blocks (lo, full_lo, full_hi, hi) of keys [k_base, k_base + block_kv): blocks
+    [full_lo, full_hi) have every row see every key (all of them valid: else none is
+    full); the rest of [lo, hi) need the mask; all zero when no key is valid."""
+    q_valid, kv_valid, shift = self.lengths(batch)
+    keys_end = jnp.minimum(k_base + self.block_kv, kv_valid)
+    lo, full_lo, full_hi, hi = query_blocks(self.mods, k_base, keys_end - 1, shift, q_valid,
+                                            self.block_q)
+    all_valid = k_base + self.block_kv <= kv_valid
+    blocks = [lo, jnp.where(all_valid, full_lo, hi), jnp.where(all_valid, full_hi, hi), hi]
+    blocks = [jnp.where(keys_end > k_base, x, 0) for x in blocks]
+    if self.segments is not None:
+      blocks = self.segments.bound(batch, k_base, blocks)
+    return blocks
+
+  def of_tile(self, batch, kv_tile):
+    """The query blocks [lo, hi) the producer streams for a CTA's keys: from the earliest
+    start among the consumers that have blocks to the latest end (both 0: none)."""
+    cta_base = kv_tile * (self.num_consumers * self.block_kv)
+    blocks = [self.of_keys(batch, cta_base + w * self.block_kv if w else cta_base)
+              for w in range(self.num_consumers)]
+    hi = functools.reduce(jnp.maximum, [b[3] for b in blocks])
     return functools.reduce(jnp.minimum, [jnp.where(b[3] > b[0], b[0], hi) for b in blocks]), hi
 
 
