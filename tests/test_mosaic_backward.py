@@ -22,6 +22,7 @@ from jaxflash.device import A100, H200, RTX_4060_LAPTOP
 from jaxflash.mosaic.backward import (MosaicBackwardConfig, backward_reason, mosaic_backward,
                                       mosaic_backward_config)
 from jaxflash.reference import attention_reference
+from jaxflash.score_mods import ScoreMods
 from tests.conftest import HAS_GPU, SM90_ONLY, poison_allocator
 from tests.test_prefill_backward import _check_grads, _inputs, grads_f64
 
@@ -284,6 +285,7 @@ def _struct(shape, dtype=BF16):
 
 
 Q, KV = _struct((1, 100, 6, 128)), _struct((1, 90, 2, 128))
+_CAUSAL = ScoreMods(is_causal=True)
 
 
 @NEEDS_MOSAIC
@@ -467,6 +469,28 @@ def test_kernels_trace_and_lower(causal, window, segments, head_dim, monkeypatch
 
   lowered = jax.jit(run).trace(q, kv, kv, q, lse, q, *ids).lower(lowering_platforms=("cuda",))
   assert lowered.as_text().count("mosaic_gpu") >= 2  # the dK/dV and the dQ kernels
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_temp_memory_is_linear_in_length(packed):
+  """Compiled: jax.grad through the default path (the Mosaic forward and backward) never
+  materialises an n x n array, with packed documents too (temporary memory O(n))."""
+  import jaxflash
+  from jaxflash import vjp
+
+  def temp_bytes(n):
+    q, kv, ids = _struct((1, n, 12, 128)), _struct((1, n, 2, 128)), _struct((1, n), jnp.int32)
+    loss = lambda q, k, v, ids: jnp.sum(jaxflash.attention(
+        q, k, v, is_causal=True, segment_ids=ids if packed else None).astype(F32))
+    assert vjp.default_backward_reason(q, kv, kv, vjp.Options(), mods=_CAUSAL, static_scale=0.1) is None
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    return grad.lower(q, kv, kv, ids).compile().memory_analysis().temp_size_in_bytes
+
+  small, large = temp_bytes(4096), temp_bytes(16384)
+  assert large <= 5 * max(small, 1 << 20), (small, large)
+  assert large < 12 * 16384 * 16384 * 4 // 100, (small, large)  # one float32 score matrix
 
 
 @gpu
