@@ -40,7 +40,9 @@ blocks with a row that sees one of its keys, a query block's CTA only the key bl
 rows sees, and only the blocks that straddle the diagonal, a window edge or the end of the keys
 run the mask. The bounds come from the per-sequence lengths in the kernel (data: no
 recompiles). Query t sits at key position t + kv_len - q_len (bottom-right), as in the
-forward.
+forward. Packed documents (segment ids) narrow both kernels' loops the same way, by each
+block's id range (`mosaic.segments.block_ranges`, per query block for dQ and per key block
+for dK/dV), and compare ids only in the blocks that run the mask.
 
 Layout: query [B, T, N, H], key/value [B, S, K, H]; H = 64 or 128; bf16 or fp16. T and S
 are padded with zeros outside the kernels to whole tiles; with lengths, rows and keys past each
