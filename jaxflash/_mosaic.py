@@ -114,6 +114,22 @@ def scale_rows_if_any(x, row_scale):
   return scale(x, row_scale)
 
 
+def with_extra_refs(kernel, inputs: int, count: int, to_keywords):
+  """`kernel` for `plgpu.kernel`, given `count` more input refs after its first `inputs`
+  (segment ids, a block table: operands only some calls have); they reach the kernel as the
+  keywords `to_keywords(refs)` names, and the outputs and scratch refs follow the inputs as
+  the kernel expects. The kernel's own name is kept (profiles show it)."""
+  if count == 0:
+    return kernel
+
+  def with_refs(*refs):
+    extra = refs[inputs:inputs + count]
+    kernel(*refs[:inputs], *refs[inputs + count:], **to_keywords(extra))
+
+  with_refs.__name__ = kernel.__name__
+  return with_refs
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
@@ -129,4 +145,5 @@ def interpret_params(interpret):
 
 
 __all__ = ["AVAILABLE", "IMPORT_ERROR", "pl", "plgpu", "InterpretGPUParams", "LOG2_E", "LN_2",
-           "CAPABILITY_MAJOR", "INTERPRET_GAPS", "named_barrier", "on_gpu", "interpret_params"]
+           "CAPABILITY_MAJOR", "INTERPRET_GAPS", "named_barrier", "on_gpu", "interpret_params",
+           "with_extra_refs"]

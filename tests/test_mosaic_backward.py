@@ -96,7 +96,8 @@ WINDOW_CASES = [
 
 @gpu
 @SM90_ONLY
-@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{_case_id(c[:8])}-w{c[8][0]}-{c[8][1]}")
+@pytest.mark.parametrize("case", WINDOW_CASES,
+                         ids=lambda c: f"{_case_id(c[:8])}-w{c[8][0]}-{c[8][1]}")
 def test_window_gradients_match_float64(case, rng):
   """Sliding windows: the key blocks outside every row's window are loop bounds, the edges
   masked; the gradients match float64's."""
@@ -142,7 +143,8 @@ SEGMENT_CASES = [
 
 @gpu
 @SM90_ONLY
-@pytest.mark.parametrize("case", SEGMENT_CASES, ids=lambda c: f"{_case_id(c[:8])}-{c[8][0]}{c[8][1]}_{c[8][2]}")
+@pytest.mark.parametrize("case", SEGMENT_CASES,
+                         ids=lambda c: f"{_case_id(c[:8])}-{c[8][0]}{c[8][1]}_{c[8][2]}")
 def test_segment_gradients_match_float64(case, rng):
   """Packed documents: query and key blocks whose ids cannot meet are loop bounds, the rest
   compare ids per element; gradients as float64's with the equivalent explicit mask."""
@@ -484,7 +486,8 @@ def test_temp_memory_is_linear_in_length(packed):
     q, kv, ids = _struct((1, n, 12, 128)), _struct((1, n, 2, 128)), _struct((1, n), jnp.int32)
     loss = lambda q, k, v, ids: jnp.sum(jaxflash.attention(
         q, k, v, is_causal=True, segment_ids=ids if packed else None).astype(F32))
-    assert vjp.default_backward_reason(q, kv, kv, vjp.Options(), mods=_CAUSAL, static_scale=0.1) is None
+    reason = vjp.default_backward_reason(q, kv, kv, vjp.Options(), mods=_CAUSAL, static_scale=0.1)
+    assert reason is None, reason
     grad = jax.jit(jax.grad(loss, (0, 1, 2)))
     return grad.lower(q, kv, kv, ids).compile().memory_analysis().temp_size_in_bytes
 

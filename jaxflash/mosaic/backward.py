@@ -70,7 +70,6 @@ from jaxflash.mosaic.segments import Segments, block_ranges, check_segment_ids, 
 from jaxflash.score_mods import ScoreMods, window_size
 
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA: they share each streamed tile
-NUM_SEGMENT_ARRAYS = 4  # q_ids, kv_ids and the two kernels' block ranges
 HEAD_DIMS = (64, 128)
 SMEM_RESERVE = 1024  # barriers
 
@@ -478,18 +477,6 @@ def _check_args(query, key, value, out, lse, d_out):
     raise ValueError(f"lse must be [B, T, N] = {tuple(query.shape[:3])}, got {tuple(lse.shape)}")
 
 
-def _with_segment_refs(kernel, segments: bool):
-  """The kernel, taking the four segment arrays' refs after the eight inputs (as the keyword
-  `segment_refs`) when `segments`."""
-  if not segments:
-    return kernel
-
-  def with_refs(*refs):
-    kernel(*refs[:8], *refs[8 + NUM_SEGMENT_ARRAYS:], segment_refs=refs[8:8 + NUM_SEGMENT_ARRAYS])
-
-  return with_refs
-
-
 def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
             config: MosaicBackwardConfig, scale: float, mods: ScoreMods, seq_q: int, seq_kv: int,
             sm_count: int):
@@ -504,6 +491,9 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
   common = dict(qk_scale=scale * LOG2_E, scale=scale, mods=mods, block_q=block_q,
                 block_kv=block_kv, num_stages=config.num_stages, seq_q=seq_q, seq_kv=seq_kv,
                 group=group)
+  # The segment arrays' refs follow the eight inputs; the kernels take them as `segment_refs`.
+  with_segments = functools.partial(_mosaic.with_extra_refs, inputs=8, count=len(segment_arrays),
+                                    to_keywords=lambda refs: dict(segment_refs=tuple(refs)))
   params = plgpu.CompilerParams(approx_math=True)
   threads = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg")
   operands = (q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays)
@@ -519,11 +509,11 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
              plgpu.Barrier(num_barriers=NUM_CONSUMERS),
              *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
              plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)]
-  dkdv = _with_segment_refs(functools.partial(_dkdv_kernel, splits=splits, **common),
-                            bool(segment_arrays))
-  dkdv.__name__ = "mosaic_backward_dkdv"
+  dkdv = functools.partial(_dkdv_kernel, splits=splits, **common)
+  dkdv.__name__ = "mosaic_backward_dkdv"  # the name profiles show
   dk, dv = plgpu.kernel(
-      dkdv, out_type=(partials, partials), scratch_types=scratch, compiler_params=params,
+      with_segments(dkdv), out_type=(partials, partials), scratch_types=scratch,
+      compiler_params=params,
       # Parts vary fastest: the first key blocks, which carry the most queries under the
       # causal mask, launch first.
       grid=(num_kv_heads * splits, seq_kv_pad // (NUM_CONSUMERS * block_kv), batch),
@@ -532,14 +522,13 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
   dk, dv = (x.reshape(splits, *k.shape).sum(axis=0).astype(dtype) for x in (dk, dv))
 
   num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
-  dq_kernel = _with_segment_refs(functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common),
-                                 bool(segment_arrays))
+  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common)
   dq_kernel.__name__ = "mosaic_backward_dq"
   rows_owned = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled)
   kv_ring = plgpu.SMEM((config.num_stages, block_kv, head_dim), dtype, **swizzled)
   stats_owned = plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32)
   dq = plgpu.kernel(
-      dq_kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      with_segments(dq_kernel), out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       scratch_types=[rows_owned, rows_owned, stats_owned, stats_owned, kv_ring, kv_ring,
                      plgpu.Barrier(num_barriers=4 * NUM_CONSUMERS),
                      plgpu.Barrier(num_barriers=config.num_stages),

@@ -583,7 +583,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                 jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
     mesh = dict(grid=(num_ctas,), grid_names=("cta",), num_threads=num_consumers + 1,
                 thread_name="wg")
-    out, lse = plgpu.kernel(_with_extra_refs(kernel, len(extra_arrays), extra_refs),
+    out, lse = plgpu.kernel(_mosaic.with_extra_refs(kernel, 5, len(extra_arrays), extra_refs),
                             out_type=out_type, scratch_types=scratch, compiler_params=compiler_params,
                             **mesh)(q_len, kv_len, q, k, v, *extra_arrays)
     if not fixed_reference:
@@ -646,18 +646,6 @@ def _check_inputs(query, key, value) -> None:
   if head_dim % 64 or head_dim > 256:
     raise ValueError(f"the Mosaic prefill takes head dims that are multiples of 64 up to 256, "
                      f"got query {tuple(query.shape)}")
-
-
-def _with_extra_refs(kernel, count: int, to_keywords):
-  """The kernel with `count` more input refs after value's (segment ids, or a block table),
-  passed on as the keywords `to_keywords(refs)` names."""
-  def with_refs(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, *refs):
-    extra, (o_ref, lse_ref, *scratch_refs) = refs[:count], refs[count:]
-    kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs,
-           **to_keywords(extra))
-
-  with_refs.__name__ = kernel.__name__
-  return with_refs
 
 
 def _check_pages(k_pages, block_table, kv_lengths, segment_ids, batch: int):
