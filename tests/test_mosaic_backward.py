@@ -398,6 +398,11 @@ def test_kernels_lower_for_cuda(shape, causal, window, segments, monkeypatch):
   assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
   text = jax.jit(run).trace(q, kv, kv, q, lse, q, *ids).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_backward_dkdv" in text and "mosaic_backward_dq" in text
+  if segments:  # under vmap the mapped axis joins the batch, the ids and their ranges with it
+    stacked = [None if x is None else _struct((3, *x.shape), x.dtype)
+               for x in (q, kv, kv, q, lse, q, *ids)]
+    grads = jax.eval_shape(jax.vmap(run), *stacked)
+    assert [g.shape for g in grads] == [(3, *q.shape), (3, *kv.shape), (3, *kv.shape)]
 
 
 @pytest.mark.parametrize("key_shape,group,causal,splits", [
