@@ -88,6 +88,19 @@ class _Bounds:
     kv_valid = jnp.minimum(jnp.maximum(kv_len, 0), self.seq_kv)
     return q_valid, kv_valid, kv_len - q_len
 
+  def per_consumer(self, of_block, batch, tile, block: int):
+    """[of_block(batch, base) for each consumer's `block` rows (or keys) of a CTA's tile]."""
+    cta_base = tile * (self.num_consumers * block)
+    return [of_block(batch, cta_base + w * block if w else cta_base)  # (no "+ 0")
+            for w in range(self.num_consumers)]
+
+  @staticmethod
+  def union(blocks):
+    """The [lo, hi) covering consumers' (lo, full_lo, full_hi, hi): from the earliest start
+    among the consumers that have blocks (none: an empty range) to the latest end."""
+    hi = functools.reduce(jnp.maximum, [b[3] for b in blocks])
+    return functools.reduce(jnp.minimum, [jnp.where(b[3] > b[0], b[0], hi) for b in blocks]), hi
+
 
 @dataclasses.dataclass(frozen=True)
 class KeyBlocks(_Bounds):
@@ -112,15 +125,11 @@ class KeyBlocks(_Bounds):
     consumers' blocks, from the first consumer's first (its rows are earliest, so a window's
     left edge reaches furthest back) to the latest of their last (under the causal mask the
     later consumers usually need more)."""
-    cta_base = tile * (self.num_consumers * self.block_q)
-    blocks = [self.of_rows(batch, cta_base + w * self.block_q if w else cta_base)[0]  # (no "+ 0")
-              for w in range(self.num_consumers)]
-    hi = functools.reduce(jnp.maximum, [b[3] for b in blocks])
+    blocks = self.per_consumer(lambda b, base: self.of_rows(b, base)[0], batch, tile, self.block_q)
     if self.segments is None:
-      return blocks[0][0], hi
-    # With segment ids any consumer's blocks may start first: the earliest start among the
-    # consumers that have blocks (none: an empty range).
-    return functools.reduce(jnp.minimum, [jnp.where(b[3] > b[0], b[0], hi) for b in blocks]), hi
+      return blocks[0][0], functools.reduce(jnp.maximum, [b[3] for b in blocks])
+    # With segment ids any consumer's blocks may start first.
+    return self.union(blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +156,9 @@ class QueryBlocks(_Bounds):
     return blocks
 
   def of_tile(self, batch, kv_tile):
-    """The query blocks [lo, hi) the producer streams for a CTA's keys: from the earliest
-    start among the consumers that have blocks to the latest end (both 0: none)."""
-    cta_base = kv_tile * (self.num_consumers * self.block_kv)
-    blocks = [self.of_keys(batch, cta_base + w * self.block_kv if w else cta_base)
-              for w in range(self.num_consumers)]
-    hi = functools.reduce(jnp.maximum, [b[3] for b in blocks])
-    return functools.reduce(jnp.minimum, [jnp.where(b[3] > b[0], b[0], hi) for b in blocks]), hi
+    """The query blocks [lo, hi) the producer streams for a CTA's keys: the union of the
+    consumers' (with segment ids any consumer's may start first)."""
+    return self.union(self.per_consumer(self.of_keys, batch, kv_tile, self.block_kv))
 
 
 @dataclasses.dataclass(frozen=True)
