@@ -12,8 +12,8 @@ windows of query rows, and reports the output's and dQ's largest errors against 
 each forward policy, and dQ's with the exact output (rounded to bf16) in place of the
 forward's, which leaves the backward's own rounding alone. For the Mosaic forward it also
 varies the backward's rounding of dS before dQ += dS K: to bf16 as the kernels do, to bf16
-with the softmax scale folded in first, or none (float32: the rest of the arithmetic's
-floor). What it leaves out: the order of the tensor cores' float32 sums, and exp2's
+with the softmax scale folded in first, to float16, or none (float32: the rest of the
+arithmetic's floor). What it leaves out: the order of the tensor cores' float32 sums, and exp2's
 approximation.
 
   python -m bench.studies.rounding_emulation [--cases peaky:16384:128] [--rows 512]
@@ -39,9 +39,11 @@ POLICIES = {
     "fixed reference, rounded sums (Mosaic)": (128, True, True),
 }
 BACKWARD_BLOCK = 64
-# dS before the dQ product -> (round to bf16, fold the scale in before the rounding)
-DS_ROUNDINGS = {"bf16 (the kernels')": (True, False), "bf16, scale folded in": (True, True),
-                "none (float32)": (False, False)}
+# dS before the dQ product -> (its dtype, or None for float32; fold the scale in before the
+# rounding). float16 keeps 3 more bits than bf16; a kernel would multiply it with K in float16
+# (wgmma takes one dtype for both operands), exact for bf16 keys in float16's range.
+DS_ROUNDINGS = {"bf16 (the kernels')": (jnp.bfloat16, False), "bf16, scale folded in": (jnp.bfloat16, True),
+                "float16": (np.float16, False), "none (float32)": (None, False)}
 KERNELS_DS = "bf16 (the kernels')"
 MOSAIC = "fixed reference, rounded sums (Mosaic)"
 
@@ -89,7 +91,7 @@ def emulated_dq(q, k, v, d_out, out, lse, rows, ds_rounding: str = KERNELS_DS):
   rounded to bf16."""
   d = q.shape[1]
   scale = np.float32(d ** -0.5)
-  rounded, scale_first = DS_ROUNDINGS[ds_rounding]
+  ds_dtype, scale_first = DS_ROUNDINGS[ds_rounding]
   delta = (d_out * out).sum(axis=1).astype(np.float32)
   lse2 = (lse * LOG2_E).astype(np.float32)
   dq = np.zeros_like(q)
@@ -100,7 +102,7 @@ def emulated_dq(q, k, v, d_out, out, lse, rows, ds_rounding: str = KERNELS_DS):
     ds = p * (d_out @ v_blk.T - delta[:, None])
     if scale_first:
       ds = ds * scale
-    dq += (_bf16(ds) if rounded else ds) @ k_blk
+    dq += (ds if ds_dtype is None else ds.astype(ds_dtype).astype(np.float32)) @ k_blk
   return _bf16(dq if scale_first else dq * scale)
 
 
