@@ -26,9 +26,9 @@ import concurrent.futures
 import dataclasses
 import functools
 import inspect
-import os
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -315,7 +315,7 @@ def compile_cases(cases: list[Case], seed: int = 0) -> None:
     except Exception:  # noqa: BLE001 -- reported by the case's run
       pass
 
-  with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1) or 1) as pool:
+  with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
     list(pool.map(compile_one, lowered))
 
 
