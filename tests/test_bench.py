@@ -223,18 +223,20 @@ def test_rounding_emulation_smoke():
   """The emulation's CPU run: a row per forward policy with the kernels' dS rounding, then the
   Mosaic forward's other dS roundings; errors of bf16's size (a half step of the output's and
   dQ's largest values, below 1e-2 relative), the Triton policy's dQ on its own output equal to
-  its dQ on the exact output within a factor 2, and no dQ worse without dS rounded than with."""
+  its dQ on the exact output within a factor 2, and no dQ worse with dS in float16 or float32
+  than with dS rounded to bf16."""
   from bench.studies import rounding_emulation as emulation
   rows = emulation.main(["--smoke"])
   assert [(r["policy"], r["ds_rounding"]) for r in rows] == (
       [(p, emulation.KERNELS_DS) for p in emulation.POLICIES]
-      + [(emulation.MOSAIC, "bf16, scale folded in"), (emulation.MOSAIC, "none (float32)")])
+      + [(emulation.MOSAIC, r) for r in ("bf16, scale folded in", "float16", "none (float32)")])
   for r in rows:
     assert 0 < r["dq_rel"] < 1e-2 and 0 < r["dq_rel_exact_out"] < 1e-2 and 0 < r["out_abs"] < 5e-2, r
     assert r["dq_at"].startswith("row ")
   assert 0.5 < rows[0]["dq_rel"] / rows[0]["dq_rel_exact_out"] < 2.0, rows[0]
   mosaic = {r["ds_rounding"]: r["dq_rel"] for r in rows if r["policy"] == emulation.MOSAIC}
   assert mosaic["none (float32)"] <= mosaic[emulation.KERNELS_DS], mosaic
+  assert mosaic["float16"] <= mosaic[emulation.KERNELS_DS], mosaic
   with pytest.raises(SystemExit, match="--starts"):
     emulation.study_case(emulation.accuracy.Case("peaky", 256, 64), 32, starts=[250])
 
@@ -252,6 +254,8 @@ def test_prefill_ab_imports_a_commit_beside_the_tree():
   np.testing.assert_array_equal(np.asarray(at_head.prefill_attention(q, k, v, is_causal=True), np.float32),
                                 np.asarray(jaxflash.prefill_attention(q, k, v, is_causal=True), np.float32))
   rows = prefill_ab.main(["--smoke"])
+  assert rows and rows[0]["tree_over_rev"] > 0 and rows[0]["HEAD_us"] > 0
+  rows = prefill_ab.main(["--smoke", "--train"])  # forward + backward through jaxflash.attention
   assert rows and rows[0]["tree_over_rev"] > 0 and rows[0]["HEAD_us"] > 0
 
 
