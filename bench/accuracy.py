@@ -26,7 +26,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import inspect
-import json
 import math
 import os
 
@@ -34,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import runner
+from bench import report, runner
 
 WHICH = ("out", "lse", "dq", "dk", "dv")
 PROVIDERS = ("jaxflash", "cudnn", "triton")
@@ -385,14 +384,9 @@ def _key(row) -> tuple:
 
 def _earlier_rows(run: runner.Run) -> list[dict]:
   """With --merge, the rows of <out>/accuracy.json, which must come from this commit."""
-  path = run.out_dir / "accuracy.json"
-  if not run.args.merge or not path.exists():
+  if not run.args.merge:
     return []
-  earlier = json.loads(path.read_text())
-  if earlier["meta"].get("commit") != run.meta.get("commit"):
-    raise SystemExit(f"--merge: {path} is of commit {earlier['meta'].get('commit')}, this tree is "
-                     f"{run.meta.get('commit')}; one file holds one commit's rows")
-  return earlier["rows"]
+  return report.earlier_rows(run.out_dir / "accuracy.json", run.meta.get("commit"))[0]
 
 
 def collect(args, run: runner.Run) -> tuple[list[dict], list[str]]:

@@ -176,6 +176,20 @@ def _plot(path: Path, rows: Sequence[dict], spec: dict) -> None:
   plt.close(fig)
 
 
+def earlier_rows(path, commit) -> tuple[list[dict], list[str]]:
+  """(rows, notes) of the result file `path` for a run split over several calls (a script's
+  --merge), or ([], []) where there is none. It must come from `commit`: one file holds one
+  tree's rows."""
+  path = Path(path)
+  if not path.exists():
+    return [], []
+  earlier = json.loads(path.read_text())
+  if earlier["meta"].get("commit") != commit:
+    raise SystemExit(f"--merge: {path} is of commit {earlier['meta'].get('commit')}, this tree is "
+                     f"{commit}; one file holds one commit's rows")
+  return earlier["rows"], earlier.get("notes", [])
+
+
 def write_results(name: str, rows: Sequence[dict], meta: dict, columns=None, plot=None, *,
                   out_dir=None, notes: Sequence[str] = (), extra: dict | None = None) -> dict:
   """Writes <out_dir>/<name>.json (meta, rows, extra), <name>.md (metadata header lines and

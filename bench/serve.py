@@ -44,6 +44,7 @@ a forward pass once), one step takes at least
 and the engine at most B / t output tokens/s (H200: 4.8 TB/s, 989 TFLOP/s dense bf16).
 
   python -m bench.serve [--quick] [--out DIR]     # GPU
+  python -m bench.serve --slots 256 --merge       # a run split over calls: one serve.json
   python -m bench.serve --smoke                   # tiny model on the CPU, a few requests
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ import numpy as np
 from bench import timing
 from bench.cli import TimeLimit, bench_arguments, log, smoke_out_dir
 from bench.environment import env_metadata
-from bench.report import RESULTS_DIR, format_value, write_results
+from bench.report import RESULTS_DIR, earlier_rows, format_value, write_results
 
 SEED = 2026_12_01
 SYSTEM_PROMPT = 2048
@@ -372,6 +373,35 @@ def columns():
           ("prefix_hit_tokens", "prefix-hit tokens"), ("compilations", "compiles")]
 
 
+def _cell(row) -> tuple:
+  return row["trace"], row["slots"], row["rate"], row["system"]
+
+
+def merged(earlier: list[dict], earlier_notes: list[str], rows: list[dict], notes: list[str]):
+  """(rows, notes) of a run split over several calls: the earlier rows of cells this run did
+  not run, then this run's; notes once each, less those saying a cell that now has a row was
+  skipped or failed."""
+  ran = {_cell(r) for r in rows}
+  rows = [r for r in earlier if _cell(r) not in ran] + rows
+  done = tuple(f"{trace} {rate}/s {slots} slots {system}:" for trace, slots, rate, system in map(_cell, rows))
+  notes = [n for n in dict.fromkeys([*earlier_notes, *notes]) if not n.startswith(done)]
+  return rows, notes
+
+
+def plots(rows) -> list[dict]:
+  """The load plots (TTFT p99, ITL p50, output tokens/s against the arrival rate) of each
+  trace and slot count the rows hold."""
+  return [{"suffix": f"_{kind}_{slots}_{metric}", "x": "rate", "y": metric, "series": "system",
+           "logx": True, "labels": LABELS, "xlabel": "arrival rate (req/s)", "ylabel": label,
+           "where": lambda r, k=kind, n=slots: r["trace"] == k and r["slots"] == n
+           and r["system"] != "generate_step",
+           "title": f"{label} against load ({kind} trace, {slots} slots)"}
+          for kind, slots in dict.fromkeys((r["trace"], r["slots"]) for r in rows
+                                           if r["system"] != "generate_step")
+          for metric, label in (("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"),
+                                ("output_tok_s", "output tokens/s"))]
+
+
 def main(argv=None):
   p = bench_arguments(__doc__, smoke="tiny model on the CPU, a few requests", time_limit_s=1500.0,
                       quick="two rates (light and past saturation), 32 and 256 slots")
@@ -380,6 +410,9 @@ def main(argv=None):
   p.add_argument("--slots", default=None, help="comma-separated slot counts (default the shape's)")
   p.add_argument("--token-budget", type=int, default=None,
                  help="the engine's step budget (default the shape's)")
+  p.add_argument("--merge", action="store_true",
+                 help="keep the rows of <out>/serve.json (this commit's) whose cells this run does "
+                      "not run: a run split over several calls")
   args = p.parse_args(argv)
   budget = TimeLimit(args.time_limit_s)
   shape = SMOKE if args.smoke else (QUICK if args.quick else FULL)
@@ -392,6 +425,9 @@ def main(argv=None):
     p.error(f"--systems takes {', '.join(LABELS)}, got {', '.join(sorted(systems - set(LABELS)))}")
   out_dir = smoke_out_dir("serve") if args.smoke else Path(args.out or RESULTS_DIR)
   meta = env_metadata()
+  earlier = earlier_rows(out_dir / "serve.json", meta.get("commit")) if args.merge else ([], [])
+  merge_note = ["--merge: the rows of cells this call did not run come from an earlier call of "
+                "this commit (the metadata is this call's)"] if earlier[0] else []
   log(f"serve benchmark on {meta['device']} ({meta['backend']})")
   model, impl = build(args, shape)
   meta.update(title="Serving a Poisson request trace: continuous batching vs static batching",
@@ -418,7 +454,7 @@ def main(argv=None):
            "it to its longest output, one decode step a call",
            "the engine decodes up to 4 tokens a dispatch while no prompt is fed; they reach the host "
            "together, so its ITL p50 is a gap inside such a burst: TPOT (a request's time per output "
-           "token after its first) compares the systems"]
+           "token after its first) compares the systems", *merge_note]
   vocab = model.config.vocab_size
   sharegpt = make_trace(shape, 1.0, vocab, shared=False)
   prompt_per_output = np.mean([len(r.prompt) for r in sharegpt]) / np.mean([r.output_len for r in sharegpt])
@@ -445,17 +481,10 @@ def main(argv=None):
       continue
     rows.append(dict(trace=trace_kind, slots=slots, rate=rate, system=system, **row))
     log("  " + ", ".join(f"{k} {format_value(v)}" for k, v in row.items()))
-    write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes)
-  plots = [{"suffix": f"_{kind}_{slots}_{metric}", "x": "rate", "y": metric, "series": "system",
-            "logx": True, "labels": LABELS, "xlabel": "arrival rate (req/s)", "ylabel": label,
-            "where": lambda r, k=kind, n=slots: r["trace"] == k and r["slots"] == n
-            and r["system"] != "generate_step",
-            "title": f"{label} against load ({kind} trace, {slots} slots)"}
-           for kind, slot_counts in (("sharegpt", shape.slots), ("shared_system_prompt", shape.slots[:1]))
-           for slots in slot_counts
-           for metric, label in (("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"),
-                                 ("output_tok_s", "output tokens/s"))]
-  paths = write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes, plot=plots)
+    so_far, so_far_notes = merged(*earlier, rows, notes)
+    write_results("serve", so_far, meta, columns(), out_dir=out_dir, notes=so_far_notes)
+  rows, notes = merged(*earlier, rows, notes)
+  paths = write_results("serve", rows, meta, columns(), out_dir=out_dir, notes=notes, plot=plots(rows))
   log(f"wrote {paths['md']}")
   return 0
 

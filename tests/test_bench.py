@@ -487,3 +487,23 @@ def test_http_client_counts_every_token_of_a_chunk():
   assert [len(times) for _, times in results] == [4, 4]
   for arrival, times in results:
     assert times[0] == times[1] == times[2] <= times[3] and arrival <= times[0]
+
+
+def test_serve_runs_split_over_calls_merge_into_one_file():
+  """bench.serve --merge: the earlier rows of cells this run did not run come first, a cell run
+  again takes this run's row, and notes saying a cell that has a row was skipped go; notes both
+  calls wrote are kept once. The load plots cover every (trace, slots) the rows hold."""
+  from bench import serve as serve_bench
+  row = lambda trace, slots, system, tok_s: dict(trace=trace, slots=slots, rate=256.0,  # noqa: E731
+                                                 system=system, output_tok_s=tok_s)
+  earlier = [row("sharegpt", 32, "engine", 1.0), row("sharegpt", 32, "static", 2.0)]
+  earlier_notes = ["compiles: ...", "sharegpt 256.0/s 256 slots engine: skipped (time budget)"]
+  rows = [row("sharegpt", 256, "engine", 3.0), row("sharegpt", 32, "static", 4.0)]
+  notes = ["compiles: ...", "sharegpt 256.0/s 128 slots static: skipped (time budget)"]
+  merged_rows, merged_notes = serve_bench.merged(earlier, earlier_notes, rows, notes)
+  assert [(r["slots"], r["system"], r["output_tok_s"]) for r in merged_rows] == [
+      (32, "engine", 1.0), (256, "engine", 3.0), (32, "static", 4.0)]
+  assert merged_notes == ["compiles: ...", "sharegpt 256.0/s 128 slots static: skipped (time budget)"]
+  suffixes = {spec["suffix"] for spec in serve_bench.plots(merged_rows)}
+  assert suffixes == {f"_sharegpt_{n}_{m}" for n in (32, 256)
+                      for m in ("ttft_p99_ms", "itl_p50_ms", "output_tok_s")}
