@@ -383,7 +383,8 @@ def merged(earlier: list[dict], earlier_notes: list[str], rows: list[dict], note
   skipped or failed."""
   ran = {_cell(r) for r in rows}
   rows = [r for r in earlier if _cell(r) not in ran] + rows
-  done = tuple(f"{trace} {rate}/s {slots} slots {system}:" for trace, slots, rate, system in map(_cell, rows))
+  done = tuple(f"{trace} {rate}/s {slots} slots {system}:"
+               for trace, slots, rate, system in map(_cell, rows))
   notes = [n for n in dict.fromkeys([*earlier_notes, *notes]) if not n.startswith(done)]
   return rows, notes
 

@@ -13,8 +13,8 @@ each forward policy, and dQ's with the exact output (rounded to bf16) in place o
 forward's, which leaves the backward's own rounding alone. For the Mosaic forward it also
 varies the backward's rounding of dS before dQ += dS K: to bf16 as the kernels do, to bf16
 with the softmax scale folded in first, to float16, or none (float32: the rest of the
-arithmetic's floor). What it leaves out: the order of the tensor cores' float32 sums, and exp2's
-approximation.
+arithmetic's floor). What it leaves out: the order of the tensor cores' float32 sums, and
+exp2's approximation.
 
   python -m bench.studies.rounding_emulation [--cases peaky:16384:128] [--rows 512]
                                              [--starts 4096,14730]             # CPU, ~2 min
@@ -42,7 +42,8 @@ BACKWARD_BLOCK = 64
 # dS before the dQ product -> (its dtype, or None for float32; fold the scale in before the
 # rounding). float16 keeps 3 more bits than bf16; a kernel would multiply it with K in float16
 # (wgmma takes one dtype for both operands), exact for bf16 keys in float16's range.
-DS_ROUNDINGS = {"bf16 (the kernels')": (jnp.bfloat16, False), "bf16, scale folded in": (jnp.bfloat16, True),
+DS_ROUNDINGS = {"bf16 (the kernels')": (jnp.bfloat16, False),
+                "bf16, scale folded in": (jnp.bfloat16, True),
                 "float16": (np.float16, False), "none (float32)": (None, False)}
 KERNELS_DS = "bf16 (the kernels')"
 MOSAIC = "fixed reference, rounded sums (Mosaic)"
