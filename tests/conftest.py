@@ -183,12 +183,16 @@ def random_array(rng, shape, dtype, scale=1.0):
   return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32), dtype=dtype)
 
 
-def d_scale_limit(q, dq_ref, scale) -> float:
-  """Tolerance of d_scale = sum(q * dq) / scale, a float32 sum over every query element whose
-  terms can cancel: its rounding scales with the terms' magnitude (about 8 float32 ulps of
-  it here), not with the sum, which may be near zero."""
-  q, dq_ref = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, dq_ref))
-  return 1e-6 * float(np.abs(q * dq_ref).sum()) / abs(float(scale))
+def d_scale_limit(q, dq, dq_ref, scale) -> float:
+  """Tolerance of d_scale = sum(q * dq) / scale, checked beside dq (elementwise): the error
+  dq already has, projected on q, plus the sum's float32 rounding. The rounding scales with
+  the terms' magnitude (about 8 float32 ulps of it here), not with the sum, which may be near
+  zero; dq's own error can dominate where dS = P (dP - D) cancels to ~0 (a row that sees one
+  key), and it carries into d_scale by the identity above."""
+  q, dq, dq_ref = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, dq, dq_ref))
+  rounding = 1e-6 * float(np.abs(q * dq_ref).sum())
+  carried = abs(float((q * (dq - dq_ref)).sum()))
+  return (rounding + carried) / abs(float(scale))
 
 
 def assert_close(actual, expected, dtype, *, what="output"):
