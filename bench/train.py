@@ -1,7 +1,8 @@
 """Training attention: forward + backward (gradients of q, k and v), jaxflash against its peers.
 
-Shapes: 12 query heads, 2 KV heads, head dim 128, bf16, causal; batch 1 at n = 1K ... 32K and
-batch 4 at 4096. Every implementation of a row runs in one process and one profiler
+Shapes: 12 query heads, 2 KV heads, head dim 128 (`--head-dim 64 | 256`: results in
+train_d<H>.*, without the sweep, the model step and the packed rows), bf16, causal; batch 1 at
+n = 1K ... 32K and batch 4 at 4096. Every implementation of a row runs in one process and one profiler
 trace, timed on device time (the sum of the GPU kernels one call launches,
 bench/timing.py). A call is jax.vjp of the attention with a fixed cotangent: the forward and
 the backward. TFLOP/s count FLOPs as FlashAttention-2 does: the causal forward's
@@ -23,7 +24,7 @@ jaxflash with `segment_ids` against cuDNN given the same documents as an explici
 
   python -m bench.train [--quick] [--no-sweep] [--sizes 1x4096,...] [--impls ...]
                         [--grid full|splits] [--sweep-ns 4096,16384] [--no-model]
-                        [--packed]                                              # GPU
+                        [--packed] [--head-dim 64|128|256]                       # GPU
   python -m bench.train --smoke                                # tiny CPU run, interpret mode
 """
 from __future__ import annotations
@@ -107,23 +108,24 @@ def forward_backward(attend):
 
 # ----------------------------------------------------------------------------- measurements
 
-def make_inputs(batch: int, n: int, seed: int = 0):
+def make_inputs(batch: int, n: int, seed: int = 0, head_dim: int = HEAD_DIM):
   keys = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(keys[0], (batch, n, NUM_HEADS, HEAD_DIM), DTYPE)
-  k = jax.random.normal(keys[1], (batch, n, NUM_KV_HEADS, HEAD_DIM), DTYPE)
-  v = jax.random.normal(keys[2], (batch, n, NUM_KV_HEADS, HEAD_DIM), DTYPE)
-  d_out = jax.random.normal(keys[3], (batch, n, NUM_HEADS, HEAD_DIM), DTYPE)
+  q = jax.random.normal(keys[0], (batch, n, NUM_HEADS, head_dim), DTYPE)
+  k = jax.random.normal(keys[1], (batch, n, NUM_KV_HEADS, head_dim), DTYPE)
+  v = jax.random.normal(keys[2], (batch, n, NUM_KV_HEADS, head_dim), DTYPE)
+  d_out = jax.random.normal(keys[3], (batch, n, NUM_HEADS, head_dim), DTYPE)
   return q, k, v, d_out
 
 
-def train_flops(batch: int, n: int) -> float:
-  return BACKWARD_FACTOR * batch * NUM_HEADS * 4 * n * n * HEAD_DIM / 2
+def train_flops(batch: int, n: int, head_dim: int = HEAD_DIM) -> float:
+  return BACKWARD_FACTOR * batch * NUM_HEADS * 4 * n * n * head_dim / 2
 
 
-def bench_row(batch: int, n: int, ceiling: float | None, budget, impls=IMPLS) -> dict:
+def bench_row(batch: int, n: int, ceiling: float | None, budget, impls=IMPLS,
+              head_dim: int = HEAD_DIM) -> dict:
   """One (batch, n): every contender's forward + backward in one profiler session."""
   row = {"batch": batch, "n": n, "errors": {}, "kernels": {}}
-  args = make_inputs(batch, n)
+  args = make_inputs(batch, n, head_dim=head_dim)
   cases = {}
   for impl in impls:
     if impl == "xla" and n > MAX_N_XLA:
@@ -133,7 +135,7 @@ def bench_row(batch: int, n: int, ceiling: float | None, budget, impls=IMPLS) ->
     else:
       cases[impl] = (forward_backward(CONTENDERS[impl]), args)
   timings = device_times_us(cases, log=log)
-  flops = train_flops(batch, n)
+  flops = train_flops(batch, n, head_dim)
   record_rates(row, timings, impls, flops, ceiling)
   add_ratios(row)
   del args
@@ -316,12 +318,19 @@ def parse_args(argv=None):
   p.add_argument("--sweep-ns", default="4096,16384", help="comma-separated n of the sweep (B=1)")
   p.add_argument("--packed", action="store_true",
                  help="also time packed documents (segment ids) against cuDNN with an explicit mask")
+  p.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                 help="head dim of every row (other than 128: results in train_d<H>.*, no sweep, "
+                      "model step or packed rows)")
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
   budget = TimeLimit(args.time_limit_s)
+  head_dim = args.head_dim
+  stem = "train" if head_dim == HEAD_DIM else f"train_d{head_dim}"
+  if head_dim != HEAD_DIM:  # the other tables are of d = 128
+    args.sweep = args.model = args.packed = False
   if args.smoke:
     sizes, impls = [(1, 128), (2, 64)], ("jaxflash", "jaxflash_default", "pallas_mha", "xla")
     sweep_ns, grid = [128], [(16, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2, None, None, 2)]
@@ -336,10 +345,10 @@ def main(argv=None):
     sweep_ns, grid = [int(n) for n in args.sweep_ns.split(",")], GRIDS[args.grid]
     model_case, ceiling_args = ("qwen2.5-0.5b", 4096), dict(matmul_n=8192, hbm_gib=4.0)
     packed_case = (PACKED_TOKENS, PACKED_DOCS)
-  meta, out_dir = begin_run("train", args, **ceiling_args)
+  meta, out_dir = begin_run(stem, args, **ceiling_args)
   ceiling = meta["ceilings"].get("matmul_tflops")
   meta.update(title="Causal attention, forward + backward: TFLOP/s on device time",
-              shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+              shapes=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
                           dtype="bfloat16", causal=True),
               flops="FlashAttention-2 convention: 3.5 x (4 n^2 d per head, halved for causal)")
   meta["notes_header"] = [
@@ -355,19 +364,19 @@ def main(argv=None):
       notes.append(f"B={batch} n={n}: skipped (time budget)")
       continue
     log(f"[{budget.elapsed():6.1f}s] B={batch} n={n}")
-    row, err = try_call(bench_row, batch, n, ceiling, budget, impls)
+    row, err = try_call(bench_row, batch, n, ceiling, budget, impls, head_dim)
     if err:
       notes.append(f"B={batch} n={n}: row failed: {err[:300]}")
       continue
     rows.append(row)
     notes += [f"B={batch} n={n} {LABELS[i]}: {e[:200]}" for i, e in row["errors"].items()]
     log("  " + ", ".join(f"{i} {format_value(row.get(f'{i}_tflops'))}" for i in impls))
-    write_results("train", rows, meta, main_columns(impls), out_dir=out_dir, notes=notes)
+    write_results(stem, rows, meta, main_columns(impls), out_dir=out_dir, notes=notes)
 
   memory_rows = [{"batch": r["batch"], "n": r["n"], **{i: r.get(f"{i}_temp_mib") for i in impls}}
                  for r in rows]
   write_results(
-      "train_memory", memory_rows, {**sub_meta, "title": "Forward + backward: peak XLA scratch memory (MiB)"},
+      f"{stem}_memory", memory_rows, {**sub_meta, "title": "Forward + backward: peak XLA scratch memory (MiB)"},
       [("batch", "B"), ("n", "n"), *[(i, LABELS[i]) for i in impls]], out_dir=out_dir,
       notes=["Scratch = compiled temp_size_in_bytes (memory_analysis), inputs and outputs excluded."])
 
@@ -411,9 +420,9 @@ def main(argv=None):
   plot = {"x": "n", "y": [f"{i}_tflops" for i in impls], "logx": True,
           "labels": {f"{i}_tflops": LABELS[i] for i in impls}, "where": lambda r: r["batch"] == 1,
           "xlabel": "sequence length n (batch 1)", "ylabel": "fwd+bwd TFLOP/s (device time)",
-          "title": "Causal attention fwd+bwd, 12 q heads / 2 kv heads, d=128, bf16",
+          "title": f"Causal attention fwd+bwd, 12 q heads / 2 kv heads, d={head_dim}, bf16",
           "hline": (ceiling, "bf16 matmul ceiling")}
-  paths = write_results("train", rows, meta, main_columns(impls), plot=plot, out_dir=out_dir,
+  paths = write_results(stem, rows, meta, main_columns(impls), plot=plot, out_dir=out_dir,
                                notes=notes, extra={"sweep": sweep_rows, "model_step": step_rows,
                                                    "packed": packed})
   log(f"\n[{budget.elapsed():6.1f}s] results in {Path(paths['json']).parent}")
