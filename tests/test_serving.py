@@ -188,29 +188,44 @@ def test_preemption_recomputes_without_changing_outputs(model):
   assert engine.allocator.available_pages == 12
 
 
-def test_sampling_is_reproducible_from_the_seed(model):
-  """A request's sampled tokens depend on its seed only: the same alone, in company, after
-  preemption; another seed differs; top_k=1 is greedy."""
-  prompts = _prompts((20, 27, 30), seed=8)
-  options = dict(temperature=1.3, top_p=0.95, top_k=50, stop_ids=())
+SAMPLED_PROMPTS = dict(lengths=(20, 27, 30), seed=8)
+SAMPLING = dict(temperature=1.3, top_p=0.95, top_k=50, stop_ids=())
 
-  def run(engine, seeds, prompts=prompts):
-    handles = [engine.submit(p, 10, seed=s, **options) for p, s in zip(prompts, seeds)]
-    engine.run_until_idle()
-    return [h.tokens for h in handles]
 
-  alone = run(_engine(model, max_slots=1), [1])[0]
+def _sampled(engine, seeds, prompts=None):
+  """Each prompt's tokens sampled with its seed, all submitted at once."""
+  prompts = prompts or _prompts(**SAMPLED_PROMPTS)
+  handles = [engine.submit(p, 10, seed=s, **SAMPLING) for p, s in zip(prompts, seeds)]
+  engine.run_until_idle()
+  return [h.tokens for h in handles]
+
+
+def test_sampling_is_reproducible_in_company_and_after_preemption(model):
+  """A request's sampled tokens depend on its seed only: the same alone, in company and after
+  preemption."""
+  alone = _sampled(_engine(model, max_slots=1), [1])[0]
   crowded = _engine(model, num_pages=10)
-  together = run(crowded, [1, 2, 3])
+  together = _sampled(crowded, [1, 2, 3])
   assert crowded.stats["preemptions"] > 0
   assert together[0] == alone
-  assert run(_engine(model, token_budget=32), [1, 2, 3]) == together
-  assert run(_engine(model, decode_steps=1), [1, 2, 3]) == together
-  assert run(_engine(model), [5, 6], prompts=prompts[:1] * 2) == [
-      run(_engine(model), [s], prompts=prompts[:1])[0] for s in (5, 6)]
-  assert len({tuple(t) for t in run(_engine(model), [5, 6], prompts=prompts[:1] * 2)}) == 2
-  top1 = _engine(model).submit(prompts[0], NEW, temperature=2.0, top_k=1, seed=4, stop_ids=())
-  assert top1.result() == _generate_alone(model, tuple(prompts[0]), NEW)
+  assert _sampled(_engine(model), [1, 2, 3]) == together
+
+
+@pytest.mark.parametrize("options", [dict(token_budget=32), dict(decode_steps=1)],
+                         ids=["token_budget32", "decode_steps1"])
+def test_sampling_is_reproducible_across_step_shapes(model, options):
+  """Sampled tokens do not depend on how the engine cuts its steps."""
+  assert _sampled(_engine(model, **options), [1, 2, 3]) == _sampled(_engine(model), [1, 2, 3])
+
+
+def test_sampling_seeds_differ_and_top_k_1_is_greedy(model):
+  """Two seeds on one prompt give what each gives alone, and differ; top_k=1 is greedy."""
+  prompt = _prompts(**SAMPLED_PROMPTS)[:1]
+  both = _sampled(_engine(model), [5, 6], prompts=prompt * 2)
+  assert both == [_sampled(_engine(model), [s], prompts=prompt)[0] for s in (5, 6)]
+  assert len({tuple(t) for t in both}) == 2
+  top1 = _engine(model).submit(prompt[0], NEW, temperature=2.0, top_k=1, seed=4, stop_ids=())
+  assert top1.result() == _generate_alone(model, tuple(prompt[0]), NEW)
 
 
 @pytest.mark.parametrize("call, error, message", [
