@@ -2,8 +2,8 @@
 
 Shapes: 12 query heads, 2 KV heads, head dim 128 (`--head-dim 64 | 256`: results in
 train_d<H>.*, without the sweep, the model step and the packed rows), bf16, causal; batch 1 at
-n = 1K ... 32K and batch 4 at 4096. Every implementation of a row runs in one process and one profiler
-trace, timed on device time (the sum of the GPU kernels one call launches,
+n = 1K ... 32K and batch 4 at 4096. Every implementation of a row runs in one process and one
+profiler trace, timed on device time (the sum of the GPU kernels one call launches,
 bench/timing.py). A call is jax.vjp of the attention with a fixed cotangent: the forward and
 the backward. TFLOP/s count FLOPs as FlashAttention-2 does: the causal forward's
 4 n^2 d per head halved, times 3.5 (forward 1 + backward 2.5).

@@ -259,6 +259,22 @@ def test_prefill_ab_imports_a_commit_beside_the_tree():
   assert rows and rows[0]["tree_over_rev"] > 0 and rows[0]["HEAD_us"] > 0
 
 
+def test_train_at_another_head_dim_writes_its_own_table():
+  """`bench.train --head-dim 64` times every row at d = 64 into train_d64.* (the d = 128
+  tables, the sweep and the model step are not written)."""
+  from pathlib import Path
+
+  from bench import train
+  before = set(Path("/tmp").glob("jaxflash_train_d64_smoke_*"))
+  train.main(["--smoke", "--head-dim", "64"])
+  (out,) = set(Path("/tmp").glob("jaxflash_train_d64_smoke_*")) - before
+  result = json.loads((out / "train_d64.json").read_text())
+  assert result["meta"]["shapes"]["head_dim"] == 64
+  assert [(r["batch"], r["n"]) for r in result["rows"]] == [(1, 128), (2, 64)]
+  assert all(r["jaxflash_tflops"] > 0 for r in result["rows"])
+  assert sorted(p.name for p in out.glob("*.json")) == ["train_d64.json", "train_d64_memory.json"]
+
+
 def test_prefill_ab_reads_a_commit_from_an_archive(tmp_path):
   """Where the tree's copy has no history, the commit comes as a tar of `git archive`."""
   import subprocess
