@@ -192,6 +192,63 @@ def test_head_splits_match_float64(sm_count, splits, monkeypatch, rng):
   _check_grads(_grads(q, k, v, d_out, causal=True), q, k, v, d_out, is_causal=True)
 
 
+# (batch, T, S, N, K, dtype, causal, window, ids (min, max document length) or None), H = 128:
+# the added dQ (each consumer's half of the columns over both consumers' keys) at odd lengths,
+# T < S and T > S, GQA groups 1, 5, 6, 7, windows, documents, the ring and the dS^T buffers
+# wrapping many times.
+ADDED_DQ_CASES = [
+    (2, 100, 129, 6, 1, F16, True, None, None),
+    (1, 129, 100, 5, 1, BF16, True, None, None),
+    (1, 300, 257, 4, 4, BF16, False, None, None),
+    (2, 1000, 1100, 12, 2, BF16, True, None, None),
+    (1, 1, 129, 4, 2, BF16, True, None, None),
+    (1, 1000, 1000, 7, 1, BF16, False, (300, 129), None),
+    (2, 1000, 1000, 6, 2, BF16, True, None, (30, 400)),
+]
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("case", ADDED_DQ_CASES, ids=lambda c: "-".join(map(str, c[:5])) + (
+    f"-{jnp.dtype(c[5]).name}-{'causal' if c[6] else 'full'}-w{c[7]}-ids{c[8]}"))
+def test_added_dq_matches_float64(case, rng):
+  """MosaicBackwardConfig(deterministic=False): dQ added into float32 memory by the dK/dV
+  kernel's TMA reduce-adds instead of the dQ kernel."""
+  b, t, s, n, kh, dtype, causal, window, docs = case
+  q, k, v, d_out = _inputs(rng, b, t, s, n, kh, 128, dtype)
+  ids = None if docs is None else _packed_ids(rng, b, t, *docs)
+  mask = None if ids is None else _segment_mask(ids, ids)
+  config = MosaicBackwardConfig(deterministic=False)
+  grads = _grads(q, k, v, d_out, causal=causal, window=window, mask=mask, config=config,
+                 segment_ids=None if ids is None else jnp.asarray(ids))
+  _check_grads(grads, q, k, v, d_out, is_causal=causal, window=window, mask=mask)
+
+
+@gpu
+@SM90_ONLY
+@pytest.mark.parametrize("sm_count", [18, 50, 132])
+def test_added_dq_with_head_splits_and_lengths(sm_count, monkeypatch, rng):
+  """The added dQ from every part of a split group (parts add into the same rows), with
+  ragged lengths whose padding holds NaN and inf."""
+  from jaxflash.mosaic import backward
+  info = dataclasses.replace(H200, sm_count=sm_count)
+  monkeypatch.setattr(backward, "device_info", lambda: info)
+  t = 300 + sm_count  # mosaic_backward is jitted, and the part count is read while tracing
+  q_lengths, kv_lengths = np.array([t, 5, 0, 200], np.int32), np.array([333, 333, 100, 90], np.int32)
+  q, k, v, d_out = _inputs(rng, 4, t, 333, 12, 2, 128, BF16)
+  pad_q = (np.arange(t)[None, :] >= q_lengths[:, None])[:, :, None, None]
+  pad_kv = (np.arange(333)[None, :] >= kv_lengths[:, None])[:, :, None, None]
+  out, lse = _residuals(q, k, v, causal=True, q_lengths=q_lengths, kv_lengths=kv_lengths)
+  dirty = (jnp.where(pad_q, jnp.nan, q), jnp.where(pad_kv, jnp.inf, k), jnp.where(pad_kv, jnp.nan, v))
+  grads = mosaic_backward(*dirty, out, lse, jnp.where(pad_q, jnp.nan, d_out),
+                          jnp.asarray(q_lengths), jnp.asarray(kv_lengths), causal=True,
+                          config=MosaicBackwardConfig(deterministic=False))
+  _check_grads(grads, q, k, v, jnp.where(pad_q, 0, d_out), is_causal=True, q_lengths=q_lengths,
+               kv_lengths=kv_lengths)
+  dq = np.asarray(grads[0].astype(F32))
+  assert (dq[np.broadcast_to(pad_q, dq.shape)] == 0).all(), "padded query rows: zero dq"
+
+
 @gpu
 @SM90_ONLY
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -233,11 +290,13 @@ def test_lse_cotangent(rng):
 @gpu
 @SM90_ONLY
 def test_deterministic(rng):
-  """No atomics: every element is summed in one order, so two calls agree bit for bit."""
+  """deterministic=True: no atomics, every element is summed in one order, so two calls
+  agree bit for bit."""
   q, k, v, d_out = _inputs(rng, 1, 700, 700, 6, 1, 128, BF16)
   out, lse = _residuals(q, k, v, causal=True)
-  first = mosaic_backward(q, k, v, out, lse, d_out, causal=True)
-  second = mosaic_backward(q, k, v, out, lse, d_out, causal=True)
+  config = MosaicBackwardConfig(deterministic=True)
+  first = mosaic_backward(q, k, v, out, lse, d_out, causal=True, config=config)
+  second = mosaic_backward(q, k, v, out, lse, d_out, causal=True, config=config)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a.astype(F32)), np.asarray(b.astype(F32)))
 
@@ -378,17 +437,23 @@ def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, chosen):
     ((2, 300, 333, 6, 2, 64), False, (37, 50), False), ((2, 300, 333, 6, 2, 128), True, None, True),
     ((2, 300, 333, 6, 2, 64), False, (70, 3), True)],
     ids=["4k-g6", "full-d64", "g7", "window", "two-sided-window", "segments", "segments-window"])
-def test_kernels_lower_for_cuda(shape, causal, window, segments, monkeypatch):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dq-kernel", "added-dq"])
+def test_kernels_lower_for_cuda(shape, causal, window, segments, deterministic, monkeypatch):
   """Off the GPU the kernels cannot run, but they trace and lower for CUDA: the dK/dV kernel
-  with its group parts (float32 partial sums) and the dQ kernel, with windows and segment
-  ids too."""
+  with its group parts (float32 partial sums) and the dQ kernel, or the dK/dV kernel adding
+  dQ (head dim 128), with windows and segment ids too."""
   from jaxflash.mosaic import backward
   monkeypatch.setattr(_mosaic, "on_gpu", lambda: True)
   monkeypatch.setattr(backward, "device_info", lambda: H200)
   b, t, s, n, kh, h = shape
   q, kv, lse = _struct((b, t, n, h)), _struct((b, s, kh, h)), _struct((b, t, n), F32)
   ids = (_struct((b, t), jnp.int32), _struct((b, s), jnp.int32)) if segments else (None, None)
-  config = MosaicBackwardConfig(num_stages=2 if h == 128 else 3)
+  if not deterministic and h != 128:
+    with pytest.raises(ValueError, match="deterministic=False"):
+      mosaic_backward(*(jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv, q, lse, q)),
+                      config=MosaicBackwardConfig(deterministic=False))
+    return
+  config = MosaicBackwardConfig(num_stages=2 if h == 128 else 3, deterministic=deterministic)
 
   def run(q, k, v, out, lse, d_out, q_ids, kv_ids):
     return mosaic_backward(q, k, v, out, lse, d_out, causal=causal, window=window,
@@ -397,7 +462,10 @@ def test_kernels_lower_for_cuda(shape, causal, window, segments, monkeypatch):
   grads = jax.eval_shape(run, q, kv, kv, q, lse, q, *ids)
   assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
   text = jax.jit(run).trace(q, kv, kv, q, lse, q, *ids).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_backward_dkdv" in text and "mosaic_backward_dq" in text
+  # Two kernels, or one adding dQ (named by JAX's state discharge, not by us).
+  assert text.count("custom_call @mosaic_gpu") == (2 if deterministic else 1)
+  for name in ("mosaic_backward_dkdv", "mosaic_backward_dq"):  # the kernels' symbols
+    assert (f"{name}_mosaic_gpu" in text) == deterministic, name
   if segments:  # under vmap the mapped axis joins the batch, the ids and their ranges with it
     stacked = [None if x is None else _struct((3, *x.shape), x.dtype)
                for x in (q, kv, kv, q, lse, q, *ids)]
@@ -431,6 +499,9 @@ def test_config_checks_and_default():
     assert config.smem_bytes(h, 2) <= H200.smem_per_block
     assert dataclasses.replace(config) == config  # frozen and hashable: a static argument
     hash(config)
+  added_dq = MosaicBackwardConfig(deterministic=False)
+  assert added_dq.smem_bytes(128, 2) > MosaicBackwardConfig().smem_bytes(128, 2)  # dS^T buffers
+  assert added_dq.smem_bytes(128, 2) <= H200.smem_per_block
 
 
 @NEEDS_MOSAIC
