@@ -74,9 +74,10 @@ def jaxflash_mosaic_backward_attention(q, k, v):
 
 
 def jaxflash_added_dq_attention(q, k, v):
-  import jaxflash
-  return jaxflash.attention(q, k, v, is_causal=True,
-                            backward_config=jaxflash.MosaicBackwardConfig(deterministic=False))
+  from jaxflash import MosaicBackwardConfig
+  from jaxflash.prefill import prefill_attention
+  return prefill_attention(q, k, v, is_causal=True, backward_implementation="mosaic",
+                           backward_config=MosaicBackwardConfig(deterministic=False))
 
 
 def cudnn_attention(q, k, v):
