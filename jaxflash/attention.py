@@ -89,7 +89,7 @@ def attention(query: Array, key: Array, value: Array, bias: Array | None = None,
   calls (block_table) raise NotImplementedError when differentiated, as do second
   derivatives; jax.jvp raises JAX's custom_vjp error. backward_implementation
   (`jaxflash.vjp.BACKWARD_IMPLEMENTATIONS`): "triton" (Pallas-Triton), "mosaic" (the Mosaic GPU backward on sm_90 after the Mosaic
-  forward: d = 64 / 128, causal or not, lengths; ValueError with
+  forward: d = 64 / 128 / 256, causal or not, lengths; ValueError with
   `jaxflash.vjp.mosaic_backward_reason` where it cannot serve), or None: the Mosaic one where
   `jaxflash.vjp.default_backward_reason` is None (it serves the call with at least one wave of
   dK/dV programs, and no backward_config is given), else Pallas-Triton.

@@ -11,6 +11,7 @@ attention's error in the same dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,8 @@ def _grads(q, k, v, d_out, q_lengths=None, kv_lengths=None, *, causal, window=No
 
 
 # (batch, T, S, N, K, head_dim, dtype, causal): odd lengths, T < S and T > S, GQA groups
-# 1, 2, 5, 6, 7, both head dims and dtypes.
+# 1, 2, 5, 6, 7, the three head dims (at 256 both consumers share a CTA's 64 keys) and both
+# dtypes.
 CASES = [
     (1, 17, 17, 2, 1, 64, BF16, True),
     (2, 100, 129, 6, 1, 128, F16, True),  # T < S: bottom-right diagonal
@@ -65,6 +67,11 @@ CASES = [
     (1, 300, 257, 4, 2, 64, F16, False),
     (2, 1000, 1100, 12, 2, 128, BF16, True),  # many tiles, the ring wraps many times
     (1, 1, 129, 4, 2, 128, BF16, True),  # one query row
+    (1, 100, 129, 6, 1, 256, BF16, True),
+    (1, 129, 100, 7, 1, 256, F16, True),
+    (1, 300, 257, 4, 2, 256, BF16, False),  # 257 keys: a last CTA of one valid key
+    (2, 700, 650, 6, 1, 256, BF16, True),  # the ring and the dQ kernel's one slot wrap
+    (1, 1, 129, 4, 2, 256, BF16, True),
 ]
 
 
@@ -91,6 +98,8 @@ WINDOW_CASES = [
     (1, 700, 650, 4, 2, 128, BF16, True, (200, 0)),
     (1, 257, 257, 2, 1, 64, BF16, False, (0, 0)),
     (1, 1000, 1000, 7, 1, 128, BF16, False, (300, 129)),
+    (1, 300, 333, 6, 1, 256, BF16, True, (70, 0)),
+    (2, 257, 300, 7, 1, 256, F16, False, (37, 50)),
 ]
 
 
@@ -138,6 +147,8 @@ SEGMENT_CASES = [
     (2, 1000, 1000, 7, 1, 128, BF16, False, ("packed", 60, 500)),
     (2, 500, 500, 4, 2, 128, BF16, True, ("scattered", 0, 4)),
     (1, 300, 300, 8, 8, 64, BF16, True, ("packed", 300, 300)),
+    (2, 600, 600, 6, 2, 256, BF16, True, ("packed", 30, 300)),
+    (1, 333, 333, 7, 1, 256, BF16, False, ("scattered", 0, 3)),
 ]
 
 
@@ -177,8 +188,10 @@ def test_segments_with_lengths_window_and_t_ne_s(rng):
 
 @gpu
 @SM90_ONLY
-@pytest.mark.parametrize("sm_count,splits", [(18, 1), (30, 2), (50, 3), (132, 6)])
-def test_head_splits_match_float64(sm_count, splits, monkeypatch, rng):
+@pytest.mark.parametrize("head_dim,sm_count,splits", [
+    (128, 18, 1), (128, 30, 2), (128, 50, 3), (128, 132, 6),
+    (256, 50, 2), (256, 80, 3), (256, 132, 6)])  # 64 keys a CTA at 256: twice the CTAs
+def test_head_splits_match_float64(head_dim, sm_count, splits, monkeypatch, rng):
   """The dK/dV kernel with each KV head's group of 6 split in 1, 2, 3 or 6 parts (partial
   sums added by XLA; the part count follows the SM count, stood in for here) gives what
   float64 gives."""
@@ -186,8 +199,8 @@ def test_head_splits_match_float64(sm_count, splits, monkeypatch, rng):
   info = dataclasses.replace(H200, sm_count=sm_count)
   monkeypatch.setattr(backward, "device_info", lambda: info)
   # T differs per case: mosaic_backward is jitted, and the part count is read while tracing.
-  q, k, v, d_out = _inputs(rng, 2, 1000 + sm_count, 1100, 12, 2, 128, BF16)
-  config = mosaic_backward_config(128, BF16)
+  q, k, v, d_out = _inputs(rng, 2, 1000 + sm_count, 1100, 12, 2, head_dim, BF16)
+  config = mosaic_backward_config(head_dim, BF16)
   assert backward.head_splits(k.shape, 6, config, causal=True, sm_count=sm_count) == splits
   _check_grads(_grads(q, k, v, d_out, causal=True), q, k, v, d_out, is_causal=True)
 
@@ -251,12 +264,13 @@ def test_added_dq_with_head_splits_and_lengths(sm_count, monkeypatch, rng):
 
 @gpu
 @SM90_ONLY
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ragged_lengths_give_zero_gradients_on_padding(causal, rng):
+def test_ragged_lengths_give_zero_gradients_on_padding(causal, head_dim, rng):
   # Full; short queries over long keys; zero keys; zero queries; more queries than keys.
   q_lengths = np.array([129, 5, 100, 0, 129], np.int32)
   kv_lengths = np.array([137, 137, 0, 130, 9], np.int32)
-  q, k, v, d_out = _inputs(rng, 5, 129, 137, 6, 2, 128, BF16)
+  q, k, v, d_out = _inputs(rng, 5, 129, 137, 6, 2, head_dim, BF16)
   pad_q = (np.arange(129)[None, :] >= q_lengths[:, None])[:, :, None, None]
   pad_kv = (np.arange(137)[None, :] >= kv_lengths[:, None])[:, :, None, None]
   out, lse = _residuals(q, k, v, causal=causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
@@ -289,12 +303,13 @@ def test_lse_cotangent(rng):
 
 @gpu
 @SM90_ONLY
-def test_deterministic(rng):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_deterministic(head_dim, rng):
   """deterministic=True: no atomics, every element is summed in one order, so two calls
   agree bit for bit."""
-  q, k, v, d_out = _inputs(rng, 1, 700, 700, 6, 1, 128, BF16)
+  q, k, v, d_out = _inputs(rng, 1, 700, 700, 6, 1, head_dim, BF16)
   out, lse = _residuals(q, k, v, causal=True)
-  config = MosaicBackwardConfig(deterministic=True)
+  config = mosaic_backward_config(head_dim, BF16)
   first = mosaic_backward(q, k, v, out, lse, d_out, causal=True, config=config)
   second = mosaic_backward(q, k, v, out, lse, d_out, causal=True, config=config)
   for a, b in zip(first, second):
@@ -303,9 +318,10 @@ def test_deterministic(rng):
 
 @gpu
 @SM90_ONLY
-@pytest.mark.parametrize("window,packed", [(None, False), ((100, 0), False), (None, True)],
-                         ids=["causal", "window", "packed"])
-def test_mosaic_forward_with_mosaic_backward(window, packed, rng):
+@pytest.mark.parametrize("window,packed,head_dim", [
+    (None, False, 128), ((100, 0), False, 128), (None, True, 128), (None, False, 256)],
+    ids=["causal", "window", "packed", "causal-d256"])
+def test_mosaic_forward_with_mosaic_backward(window, packed, head_dim, rng):
   """jax.grad through jaxflash.attention with backward_implementation="mosaic": the Mosaic
   prefill and this backward as its VJP."""
   import jaxflash
@@ -316,7 +332,7 @@ def test_mosaic_forward_with_mosaic_backward(window, packed, rng):
                               segment_ids=None if ids is None else jnp.asarray(ids),
                               backward_implementation="mosaic")
 
-  q, k, v, d_out = _inputs(rng, 1, 300, 300, 6, 2, 128, BF16)
+  q, k, v, d_out = _inputs(rng, 1, 300, 300, 6, 2, head_dim, BF16)
   grads = jax.jit(lambda q, k, v: jax.vjp(attend, q, k, v)[1](d_out))(q, k, v)
   _check_grads(grads, q, k, v, d_out, is_causal=True, window=window,
                mask=None if ids is None else _segment_mask(ids, ids))
@@ -358,6 +374,8 @@ def test_reason_none_on_hopper():
   assert backward_reason(Q, KV, KV, info=H200, is_causal=True, local_window_size=(8, 0)) is None
   ids = _struct((1, 100), jnp.int32)
   assert backward_reason(Q, Q, Q, info=H200, segment_ids=ids, kv_segment_ids=ids) is None
+  q256, kv256 = _struct((1, 100, 7, 256)), _struct((1, 90, 1, 256))
+  assert backward_reason(q256, kv256, kv256, info=H200, is_causal=True) is None
 
 
 @NEEDS_MOSAIC
@@ -378,7 +396,7 @@ def test_reason_names_unserved_options(option, value):
 @NEEDS_MOSAIC
 def test_reason_shapes_and_dtypes():
   assert "causal_alignment" in backward_reason(Q, KV, KV, info=H200, causal_alignment="top_left")
-  for h in (80, 192, 256):
+  for h in (80, 192, 320):
     q, kv = _struct((1, 8, 2, h)), _struct((1, 8, 1, h))
     assert f"head_dim={h}" in backward_reason(q, kv, kv, info=H200)
   q32, kv32 = _struct((1, 8, 2, 64), F32), _struct((1, 8, 1, 64), F32)
@@ -409,12 +427,13 @@ def test_top_left_served_where_it_is_bottom_right(monkeypatch):
 
 
 @NEEDS_MOSAIC
-@pytest.mark.parametrize("batch,seq,chosen", [(1, 1024, False), (1, 2048, True), (1, 4096, True),
-                                               (1, 16384, True), (4, 4096, True)])
-def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, chosen):
+@pytest.mark.parametrize("batch,seq,head_dim,chosen", [
+    (1, 1024, 128, False), (1, 2048, 128, True), (1, 4096, 128, True), (1, 16384, 128, True),
+    (4, 4096, 128, True), (1, 512, 256, False), (1, 1024, 256, True)])
+def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, head_dim, chosen):
   """backward_implementation=None: the Mosaic backward once its dK/dV kernel, the group of 6
   query heads split in up to 6 parts, has a CTA per SM (B x 2 KV heads x S / 128 x 6 >= 132
-  on the H200), the Triton one below."""
+  on the H200; S / 64 at head dim 256, where a CTA holds 64 keys), the Triton one below."""
   from jaxflash import device, vjp
   from jaxflash.mosaic import backward
   from jaxflash.score_mods import ScoreMods
@@ -422,7 +441,7 @@ def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, chosen):
   monkeypatch.setattr(backward, "device_info", lambda: H200)
   monkeypatch.setattr(device, "device_info", lambda: H200)
   mods = ScoreMods.from_options(is_causal=True)
-  q, kv = _struct((batch, seq, 12, 128)), _struct((batch, seq, 2, 128))
+  q, kv = _struct((batch, seq, 12, head_dim)), _struct((batch, seq, 2, head_dim))
   reason = vjp.default_backward_reason(q, kv, kv, vjp.Options(), mods=mods, static_scale=0.1)
   assert (reason is None) == chosen, reason
   if not chosen:
@@ -435,13 +454,20 @@ def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, chosen):
     ((1, 4096, 4096, 12, 2, 128), True, None, False), ((2, 300, 257, 4, 2, 64), False, None, False),
     ((1, 130, 129, 7, 1, 64), True, None, False), ((2, 300, 333, 6, 2, 128), True, (70, 0), False),
     ((2, 300, 333, 6, 2, 64), False, (37, 50), False), ((2, 300, 333, 6, 2, 128), True, None, True),
-    ((2, 300, 333, 6, 2, 64), False, (70, 3), True)],
-    ids=["4k-g6", "full-d64", "g7", "window", "two-sided-window", "segments", "segments-window"])
+    ((2, 300, 333, 6, 2, 64), False, (70, 3), True),
+    ((1, 300, 333, 6, 1, 256), True, None, False), ((2, 333, 300, 7, 1, 256), False, None, False),
+    ((2, 300, 333, 6, 2, 256), True, (70, 0), False),
+    ((2, 300, 333, 7, 1, 256), False, (37, 50), False),
+    ((2, 300, 333, 6, 2, 256), True, None, True), ((1, 333, 300, 7, 1, 256), False, (70, 3), True)],
+    ids=["4k-g6", "full-d64", "g7", "window", "two-sided-window", "segments", "segments-window",
+         "d256-g6", "d256-full-g7", "d256-window", "d256-two-sided-window", "d256-segments",
+         "d256-segments-window-g7"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["dq-kernel", "added-dq"])
 def test_kernels_lower_for_cuda(shape, causal, window, segments, deterministic, monkeypatch):
   """Off the GPU the kernels cannot run, but they trace and lower for CUDA: the dK/dV kernel
   with its group parts (float32 partial sums) and the dQ kernel, or the dK/dV kernel adding
-  dQ (head dim 128), with windows and segment ids too."""
+  dQ (head dim 128), with windows and segment ids too; at head dim 256 both consumers share
+  the keys."""
   from jaxflash.mosaic import backward
   monkeypatch.setattr(_mosaic, "on_gpu", lambda: True)
   monkeypatch.setattr(backward, "device_info", lambda: H200)
@@ -453,7 +479,7 @@ def test_kernels_lower_for_cuda(shape, causal, window, segments, deterministic, 
       mosaic_backward(*(jnp.zeros(x.shape, x.dtype) for x in (q, kv, kv, q, lse, q)),
                       config=MosaicBackwardConfig(deterministic=False))
     return
-  config = MosaicBackwardConfig(num_stages=2 if h == 128 else 3, deterministic=deterministic)
+  config = dataclasses.replace(mosaic_backward_config(h, BF16), deterministic=deterministic)
 
   def run(q, k, v, out, lse, d_out, q_ids, kv_ids):
     return mosaic_backward(q, k, v, out, lse, d_out, causal=causal, window=window,
@@ -476,12 +502,19 @@ def test_kernels_lower_for_cuda(shape, causal, window, segments, deterministic, 
 @pytest.mark.parametrize("key_shape,group,causal,splits", [
     ((1, 4096, 2, 128), 6, True, 6), ((1, 16384, 2, 128), 6, True, 2), ((1, 32768, 2, 128), 6, True, 1),
     ((1, 8192, 2, 128), 6, False, 2), ((1, 16384, 2, 128), 6, False, 1), ((1, 4096, 2, 128), 6, False, 3), ((1, 1024, 2, 128), 7, True, 7),
-    ((1, 1024, 8, 128), 1, True, 1)])
+    ((1, 1024, 8, 128), 1, True, 1),
+    # Head dim 256: 64 keys a CTA, twice the CTAs of 128 for as many keys, so fewer parts.
+    ((1, 4096, 2, 256), 6, True, 3), ((1, 8192, 2, 256), 6, True, 2),
+    ((1, 16384, 2, 256), 6, True, 1), ((1, 4096, 2, 256), 6, False, 2),
+    ((1, 8192, 2, 256), 6, False, 1)])
 def test_head_splits_fill_the_gpu(key_shape, group, causal, splits):
   """The fewest parts (a divisor of the group) giving a CTA per SM, two under a causal mask."""
-  from jaxflash.mosaic.backward import head_splits
-  config = mosaic_backward_config(128, BF16)
+  from jaxflash.mosaic.backward import dkv_programs, head_splits
+  config = mosaic_backward_config(key_shape[-1], BF16)
   assert head_splits(key_shape, group, config, causal=causal, sm_count=132) == splits
+  keys_per_cta = 64 if key_shape[-1] == 256 else 128
+  assert dkv_programs(key_shape, group, config, causal=causal, sm_count=132) == (
+      key_shape[0] * key_shape[2] * -(-key_shape[1] // keys_per_cta) * splits)
 
 
 @CPU_ONLY
@@ -494,14 +527,57 @@ def test_config_checks_and_default():
     MosaicBackwardConfig(64, 128)
   with pytest.raises(ValueError, match="num_stages"):
     MosaicBackwardConfig(num_stages=0)
-  for h in (64, 128):
+  with pytest.raises(ValueError, match="dq_stages"):
+    MosaicBackwardConfig(dq_stages=0)
+  for h in (64, 128, 256):
     config = mosaic_backward_config(h, BF16)
     assert config.smem_bytes(h, 2) <= H200.smem_per_block
     assert dataclasses.replace(config) == config  # frozen and hashable: a static argument
     hash(config)
+  # The dQ kernel's ring follows the dK/dV kernel's but at 256, where one slot fits.
+  assert MosaicBackwardConfig(num_stages=3).dq_stages == 3
+  assert [mosaic_backward_config(h, BF16).dq_stages for h in (64, 128, 256)] == [3, 2, 1]
+  assert MosaicBackwardConfig().smem_bytes(256, 2) > H200.smem_per_block  # two dQ slots: no
   added_dq = MosaicBackwardConfig(deterministic=False)
   assert added_dq.smem_bytes(128, 2) > MosaicBackwardConfig().smem_bytes(128, 2)  # dS^T buffers
   assert added_dq.smem_bytes(128, 2) <= H200.smem_per_block
+
+
+@CPU_ONLY
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("head_dim,deterministic", [(64, True), (128, True), (128, False),
+                                                    (256, True)])
+def test_smem_bytes_is_what_the_kernels_allocate(head_dim, deterministic, monkeypatch):
+  """MosaicBackwardConfig.smem_bytes (what backward_reason compares with the GPU's) is the
+  shared memory of the larger kernel to the byte: lowering for CUDA passes under that limit
+  and fails one byte below it."""
+  from jax.experimental.mosaic.gpu import core
+  from jaxflash.mosaic import backward
+  monkeypatch.setattr(_mosaic, "on_gpu", lambda: True)
+  monkeypatch.setattr(backward, "device_info", lambda: H200)
+  config = dataclasses.replace(mosaic_backward_config(head_dim, BF16), deterministic=deterministic)
+  need = config.smem_bytes(head_dim, 2)
+  q, kv, lse = (_struct((1, 300, 6, head_dim)), _struct((1, 333, 1, head_dim)),
+                _struct((1, 300, 6), F32))
+  lower = lambda: jax.jit(functools.partial(mosaic_backward, causal=True, config=config)).trace(
+      q, kv, kv, q, lse, q).lower(lowering_platforms=("cuda",))
+  with core.artificial_shared_memory_limit(need):
+    lower()
+  with core.artificial_shared_memory_limit(need - 1), pytest.raises(ValueError, match="shared"):
+    lower()
+
+
+@CPU_ONLY
+@NEEDS_MOSAIC
+def test_a_config_over_the_shared_memory_raises(monkeypatch):
+  """MosaicBackwardConfig() keeps two dQ ring slots, which do not fit at head dim 256: a
+  ValueError naming the config, before any kernel is built."""
+  from jaxflash.mosaic import backward
+  monkeypatch.setattr(_mosaic, "on_gpu", lambda: True)
+  monkeypatch.setattr(backward, "device_info", lambda: H200)
+  q, kv = jnp.zeros((1, 64, 2, 256), BF16), jnp.zeros((1, 64, 1, 256), BF16)
+  with pytest.raises(ValueError, match=r"dq_stages=2\).*shared memory.*\(1, 64, 2, 256\)"):
+    mosaic_backward(q, kv, kv, q, jnp.zeros((1, 64, 2), F32), q, config=MosaicBackwardConfig())
 
 
 @NEEDS_MOSAIC

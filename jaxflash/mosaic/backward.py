@@ -15,10 +15,11 @@ backward:
   attend (LSE -inf) and padding rows get an LSE of +inf, so their P is exactly 0 without a
   mask in the kernels;
 * dK/dV: one CTA per (block of keys, part of a KV head's group of query heads, sequence).
-  Each of two consumer warpgroups owns `block_kv` keys and keeps its dK and dV in float32
-  registers for the whole loop; a producer warpgroup streams the query blocks (Q, dO, LSE,
-  delta) through a `num_stages` ring of shared memory with TMA, for every query head of its
-  part in turn, so GQA's sum over the part happens in the registers. Written transposed:
+  Each of two consumer warpgroups owns `block_kv` keys (H = 256: below) and keeps its dK and
+  dV in float32 registers for the whole loop, as FlashAttention-2's Algorithm 2 keeps them on
+  chip; a producer warpgroup streams the query blocks (Q, dO, LSE, delta) through a
+  `num_stages` ring of shared memory with TMA, for every query head of its part in turn, so
+  GQA's sum over the part happens in the registers. Written transposed:
   S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T, dK += dS^T Q, all wgmma with P^T and
   dS^T straight from registers. The parts (`head_splits`) write float32 partial sums that
   XLA adds in a fixed order: with few key blocks (B = 1, S = 4K: 32 blocks x 2 KV heads for
@@ -47,8 +48,24 @@ forward. Packed documents (segment ids) narrow both kernels' loops the same way,
 block's id range (`mosaic.segments.block_ranges`, per query block for dQ and per key block
 for dK/dV), and compare ids only in the blocks that run the mask.
 
-Layout: query [B, T, N, H], key/value [B, S, K, H]; H = 64 or 128 (the added dQ: 128, where
-half of dQ's columns is one swizzled tile); bf16 or fp16. T and S are padded with zeros
+At H = 256 the dK/dV kernel's layout changes (`shares_keys`). dK and dV of 64 keys in
+float32 are 64 x H x 2 x 4 bytes over a warpgroup's 128 threads, H registers a thread, and a
+consumer gets 232 beside the producer; with its two 64 x 64 score tiles (32 each) that is 192
+at H = 128 but 320 at H = 256. So there both consumers of a CTA work on the same 64 keys,
+each keeping half of dK's and dV's columns (128 registers for the two halves, as at
+H = 128). Each computes the whole S^T and dP^T itself, since they contract over every
+column, then dV += P^T dO and dK += dS^T Q for its half from column slices of the shared
+tiles: six products a block instead of four, and each consumer's loop stays the one above
+(splitting S^T and dP^T between the consumers would do no product twice, but trade P^T and
+dS^T through shared memory). Shared memory then holds K and V (64 KB), two Q/dO ring slots
+(128 KB), the float32 staging tiles of the way out (32 columns a copy: 16 KB) and the LSE and
+delta: 210 KB of the 227 KB. The dQ kernel keeps its layout (dQ [64, 256] in float32 is 128
+registers), but its two consumers' own Q and dO rows take 128 KB, which leaves room for one
+K/V ring slot (`MosaicBackwardConfig.dq_stages`): the producer loads a key block once both
+consumers are done with the one before.
+
+Layout: query [B, T, N, H], key/value [B, S, K, H]; H = 64, 128 or 256 (the added dQ: 128,
+where half of dQ's columns is one swizzled tile); bf16 or fp16. T and S are padded with zeros
 outside the kernels to whole tiles; with lengths, rows and keys past each sequence's lengths
 are zeroed first (TMA copies whole tiles, and 0 * NaN is NaN).
 """
@@ -57,6 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 
 import jax
 from jax import lax
@@ -74,22 +92,43 @@ from jaxflash.mosaic.segments import Segments, block_ranges, check_segment_ids, 
 from jaxflash.score_mods import ScoreMods, window_size
 
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA: they share each streamed tile
-HEAD_DIMS = (64, 128)
-SMEM_RESERVE = 1024  # barriers
+HEAD_DIMS = (64, 128, 256)
+SMEM_ALIGNMENT = 1024  # Pallas starts every shared-memory buffer on a 1 KB boundary
+BARRIER_BYTES = 8  # an mbarrier, after the buffers
+
+
+def shares_keys(head_dim: int) -> bool:
+  """Whether both consumers of a dK/dV CTA work on the same keys, each keeping half of dK's
+  and dV's columns: dK and dV of 64 keys in float32 take head_dim registers a thread, which
+  beside the score tiles fit a consumer up to 128."""
+  return head_dim > 128
+
+
+def _key_tiles(head_dim: int) -> int:
+  """block_kv-key tiles of a dK/dV CTA: one per consumer, or the one both share."""
+  return 1 if shares_keys(head_dim) else NUM_CONSUMERS
+
+
+def _out_columns(head_dim: int) -> int:
+  """Columns of a float32 staging copy on dK/dV's way out: half the head dim, or 32 (16 KB
+  for both consumers' tiles) where the keys are shared and shared memory is tight."""
+  return 32 if shares_keys(head_dim) else head_dim // 2
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicBackwardConfig:
-  """Tiles of the Mosaic backward. dK/dV kernel: each consumer owns `block_kv` keys and the
-  query blocks of `block_q` rows stream through `num_stages` ring slots. dQ kernel: each
-  consumer owns `block_q` rows and the key blocks of `block_kv` stream. `deterministic`:
-  dQ from its own kernel (bitwise repeatable), else added into float32 memory from the
-  dK/dV kernel (head dim 128 only)."""
+  """Tiles of the Mosaic backward. dK/dV kernel: each consumer owns `block_kv` keys (at head
+  dims over 128 both share them, each owning half of the columns) and the query blocks of
+  `block_q` rows stream through `num_stages` ring slots. dQ kernel: each consumer owns
+  `block_q` rows and the key blocks of `block_kv` stream through `dq_stages` slots (None:
+  `num_stages`). `deterministic`: dQ from its own kernel (bitwise repeatable), else added
+  into float32 memory from the dK/dV kernel (head dim 128 only)."""
 
   block_q: int = 64
   block_kv: int = 64
   num_stages: int = 2
   deterministic: bool = True
+  dq_stages: int | None = None
 
   def __post_init__(self):
     if (self.block_q, self.block_kv) != (64, 64):
@@ -100,25 +139,39 @@ class MosaicBackwardConfig:
                        f"block_q={self.block_q}, block_kv={self.block_kv}")
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got num_stages={self.num_stages}")
+    if self.dq_stages is None:
+      object.__setattr__(self, "dq_stages", self.num_stages)
+    if self.dq_stages < 1:
+      raise ValueError(f"dq_stages must be >= 1, got dq_stages={self.dq_stages}")
 
   def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    """The larger of the two kernels' shared memory."""
-    owned_dkv = 2 * NUM_CONSUMERS * self.block_kv  # K and V tiles the consumers own
-    ring_dkv = 2 * self.num_stages * self.block_q  # Q and dO slots
-    owned_dq = 2 * NUM_CONSUMERS * self.block_q
-    ring_dq = 2 * self.num_stages * self.block_kv
-    rows = max(owned_dkv + ring_dkv, owned_dq + ring_dq)
-    stats = 2 * 4 * max(self.num_stages, NUM_CONSUMERS) * self.block_q  # LSE and delta
-    partials = 4 * head_dim // 2 * NUM_CONSUMERS * self.block_kv  # dK/dV's float32 way out
-    shared_ds = 0 if self.deterministic else (
-        itemsize * 2 * NUM_CONSUMERS * self.block_kv * self.block_q)  # two dS^T buffers
-    return itemsize * head_dim * rows + stats + partials + shared_ds + SMEM_RESERVE
+    """The shared memory of the larger of the two kernels (the dQ kernel's where it runs),
+    as `_launch` allocates it."""
+    def buffers(count, *shape, size=itemsize):  # `count` buffers of `shape`
+      return count * round_up(math.prod(shape) * size, SMEM_ALIGNMENT)
+
+    stages, key_tiles = self.num_stages, _key_tiles(head_dim)
+    dkv = (buffers(2, key_tiles * self.block_kv, head_dim)  # K and V
+           + buffers(2, stages, self.block_q, head_dim)  # the Q and dO ring
+           + buffers(2, stages, self.block_q, size=4)  # the LSE and delta ring
+           + buffers(1, NUM_CONSUMERS, self.block_kv, _out_columns(head_dim), size=4)  # staging
+           + BARRIER_BYTES * (2 * key_tiles + 5 * stages))
+    if not self.deterministic:  # two dS^T buffers and their barriers
+      return dkv + buffers(1, 2, NUM_CONSUMERS * self.block_kv, self.block_q) + BARRIER_BYTES * 4
+    dq = (buffers(2, NUM_CONSUMERS, self.block_q, head_dim)  # each consumer's Q and dO
+          + buffers(2, NUM_CONSUMERS, self.block_q, size=4)  # LSE and delta
+          + buffers(2, self.dq_stages, self.block_kv, head_dim)  # the K and V ring
+          + BARRIER_BYTES * (4 * NUM_CONSUMERS + 3 * self.dq_stages))
+    return max(dkv, dq)
 
 
 def mosaic_backward_config(head_dim: int, dtype, info: DeviceInfo | None = None
                            ) -> MosaicBackwardConfig:
-  """The default config: 64 x 64 tiles; two ring slots at H = 128, three at H = 64."""
+  """The default config: 64 x 64 tiles; three ring slots at H = 64, two at H = 128 and 256,
+  where the dQ kernel's ring has one (its two consumers' own Q and dO rows take 128 KB)."""
   del info, dtype  # one table for every sm_90 part (all have 227 KB of shared memory)
+  if head_dim > 128:
+    return MosaicBackwardConfig(64, 64, 2, dq_stages=1)
   return MosaicBackwardConfig(64, 64, 2) if head_dim > 64 else MosaicBackwardConfig(64, 64, 3)
 
 
@@ -162,10 +215,15 @@ def backward_reason(query, key, value, *, info: DeviceInfo | None = None, is_cau
   return None
 
 
+def _cta_keys(head_dim: int, config: MosaicBackwardConfig) -> int:
+  """Keys of a dK/dV CTA: a block_kv tile per consumer, or the one both share."""
+  return _key_tiles(head_dim) * config.block_kv
+
+
 def _key_blocks(key_shape, config: MosaicBackwardConfig) -> int:
-  """(NUM_CONSUMERS * block_kv keys, KV head, sequence) blocks of keys [B, S, K, H]."""
-  batch, seq_kv, kv_heads = key_shape[0], key_shape[1], key_shape[2]
-  return batch * kv_heads * -(-seq_kv // (NUM_CONSUMERS * config.block_kv))
+  """(keys of a dK/dV CTA, KV head, sequence) blocks of keys [B, S, K, H]."""
+  batch, seq_kv, kv_heads, head_dim = key_shape
+  return batch * kv_heads * -(-seq_kv // _cta_keys(head_dim, config))
 
 
 def head_splits(key_shape, group: int, config: MosaicBackwardConfig, *, causal: bool,
@@ -181,8 +239,8 @@ def head_splits(key_shape, group: int, config: MosaicBackwardConfig, *, causal: 
 
 def dkv_programs(key_shape, group: int, config: MosaicBackwardConfig, *, causal: bool,
                  sm_count: int) -> int:
-  """CTAs of the dK/dV kernel for keys [B, S, K, H]: one per (NUM_CONSUMERS * block_kv
-  keys, part of a KV head's group, sequence)."""
+  """CTAs of the dK/dV kernel for keys [B, S, K, H]: one per (2 * block_kv keys, or block_kv
+  at H > 128, part of a KV head's group, sequence)."""
   return _key_blocks(key_shape, config) * head_splits(key_shape, group, config, causal=causal,
                                                        sm_count=sm_count)
 
@@ -263,11 +321,12 @@ def _dkdv_kernel(
     delta_ref,  # [B, N, T_pad] float32 GMEM
     dk_ref,  # [splits * B, S_pad, K, H] float32 GMEM: each part's partial sum
     dv_ref,  # [splits * B, S_pad, K, H] float32 GMEM
-    k_smem, v_smem,  # [2 * block_kv, H] SMEM: each consumer's own keys and values
+    k_smem, v_smem,  # [tiles * block_kv, H] SMEM: each consumer's own keys and values, or
+                     # (one tile, H > 128) the keys both consumers share
     q_smem, do_smem,  # [stages, block_q, H] SMEM ring
     lse_smem, delta_smem,  # [stages, block_q] float32 SMEM ring
-    out_smem,  # [2, block_kv, H / 2] float32 SMEM: each consumer's dK, dV (and dQ) on the way out
-    k_loaded, v_loaded,  # [2] barriers: a consumer's K / V tile landed
+    out_smem,  # [2, block_kv, C] float32 SMEM: each consumer's dK, dV (and dQ) on the way out
+    k_loaded, v_loaded,  # [tiles] barriers: a K / V tile landed
     q_ready, do_ready, lse_ready, delta_ready,  # [stages] barriers: a slot's TMA landed
     slot_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     *, segment_refs=None,  # packed documents: (q_ids [B, T_pad], kv_ids [B, S_pad], the
@@ -278,17 +337,18 @@ def _dkdv_kernel(
 ):
   dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
+  shared_keys, key_tiles = shares_keys(head_dim), _key_tiles(head_dim)
   wg = lax.axis_index("wg")
   part, kv_tile, batch = (lax.axis_index(n) for n in ("part", "kv_tile", "batch"))
   kv_head, split = lax.div(part, splits), lax.rem(part, splits)
   heads = group // splits  # query heads of this part: kv_head * group + split * heads + [0, heads)
   first_head = kv_head * group + split * heads
-  cta_base = kv_tile * (NUM_CONSUMERS * block_kv)
+  cta_base = kv_tile * (key_tiles * block_kv)
   # The keys' view of the segment ids: its "rows" are keys, its "keys" query rows.
   segments = None if segment_refs is None else Segments(
       segment_refs[1], segment_refs[0], segment_refs[3], block_kv, block_q)
   blocks = QueryBlocks(q_len_ref, kv_len_ref, mods, block_q, block_kv, seq_q, seq_kv,
-                       NUM_CONSUMERS, segments)
+                       key_tiles, segments)
   _, kv_valid, shift = blocks.lengths(batch)
   # Query blocks [lo, hi) hold a row that sees one of this CTA's valid keys (the causal
   # diagonal, a window and the documents bound them).
@@ -299,12 +359,25 @@ def _dkdv_kernel(
   @pl.when(wg < NUM_CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
-    k_base = cta_base + wg * block_kv
+    if shared_keys:  # both consumers on the CTA's one tile, each with half of the columns
+      tile, k_base, k_tile, v_tile = 0, cta_base, k_smem, v_smem
+      columns = head_dim // NUM_CONSUMERS
+      first_column = wg * columns
+      own_columns = lambda ref: ref.at[:, pl.ds(first_column, columns)]
+    else:
+      own = pl.ds(wg * block_kv, block_kv)
+      tile, k_base, k_tile, v_tile = wg, cta_base + wg * block_kv, k_smem.at[own], v_smem.at[own]
+      columns, first_column, own_columns = head_dim, 0, lambda ref: ref
     keys = (batch, pl.ds(k_base, block_kv), kv_head)
-    own = pl.ds(wg * block_kv, block_kv)
-    k_tile, v_tile = k_smem.at[own], v_smem.at[own]
-    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, k_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, v_loaded.at[wg])
+
+    def load_keys():
+      plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, k_loaded.at[tile])
+      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, v_loaded.at[tile])
+
+    if shared_keys:
+      pl.when(wg == 0)(load_keys)  # one copy of each, both consumers wait for it
+    else:
+      load_keys()
     # Every row of the query blocks [full_lo, full_hi) sees all of this consumer's keys: no
     # mask there. The rest of the CTA's [lo, hi) runs masked: both consumers take every slot
     # the producer fills.
@@ -333,7 +406,7 @@ def _dkdv_kernel(
     zero_scores = plgpu.layout_cast(jnp.zeros((block_kv, block_q), jnp.float32), plgpu.Layout.WGMMA)
 
     def step(i, carry, *, head_step, masked: bool):
-      dk, dv = carry  # [block_kv, H] float32 each
+      dk, dv = carry  # [block_kv, columns] float32 each
       steps_before = head_step * count + i - lo
       slot = lax.rem(steps_before, num_stages)
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
@@ -342,6 +415,8 @@ def _dkdv_kernel(
 
       def body(refs):
         s_ref, dp_ref, dv_ref_, dk_ref_ = refs
+        # S^T and dP^T contract over every column: with shared keys both consumers compute
+        # the same ones (six products a block instead of four).
         plgpu.wgmma(s_ref, k_tile, q_tile.T)  # S^T = K Q^T
         # dP^T needs no P: it runs on the tensor cores while the exponentials below do, as
         # FlashAttention-3 overlaps its softmax with the next product.
@@ -357,8 +432,8 @@ def _dkdv_kernel(
         ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
         # Both products read their left operand from registers, so nothing is written to
         # registers until they complete (the end of this scope waits for them).
-        plgpu.wgmma(dv_ref_, p_t.astype(dtype), do_tile)  # dV += P^T dO
-        plgpu.wgmma(dk_ref_, ds_t, q_tile)  # dK += dS^T Q
+        plgpu.wgmma(dv_ref_, p_t.astype(dtype), own_columns(do_tile))  # dV += P^T dO
+        plgpu.wgmma(dk_ref_, ds_t, own_columns(q_tile))  # dK += dS^T Q
         if added_dq is not None:  # dQ's product runs beside them
           added_dq.share(steps_before, wg, ds_t)
           added_dq.add(steps_before, wg, k_smem, out_smem.at[wg],
@@ -377,20 +452,21 @@ def _dkdv_kernel(
       carry = lax.fori_loop(full_lo, full_hi, whole, carry)
       return lax.fori_loop(full_hi, hi, masked, carry)
 
-    zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    zeros = plgpu.layout_cast(jnp.zeros((block_kv, columns), jnp.float32), plgpu.Layout.WGMMA)
     if added_dq is not None:
       added_dq.start(wg, k_loaded)
-    plgpu.barrier_wait(k_loaded.at[wg])
-    plgpu.barrier_wait(v_loaded.at[wg])
+    plgpu.barrier_wait(k_loaded.at[tile])
+    plgpu.barrier_wait(v_loaded.at[tile])
     dk, dv = lax.fori_loop(0, heads, head_loop, (zeros, zeros))
     partial = (split * q_ref.shape[0] + batch, pl.ds(k_base, block_kv), kv_head)
-    half = head_dim // 2
+    width = out_smem.shape[-1]
     for result, result_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
-      for c in range(2):  # half the columns a copy, through this consumer's staging tile
+      for c in range(columns // width):  # `width` columns a copy, through the staging tile
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's last copy has read it
-        out_smem[wg] = result[:, c * half:(c + 1) * half]
+        out_smem[wg] = result[:, c * width:(c + 1) * width]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg], result_ref.at[(*partial, pl.ds(c * half, half))])
+        plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                result_ref.at[(*partial, pl.ds(first_column + c * width, width))])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
@@ -571,8 +647,7 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
   dtype = q.dtype
   group = num_heads // num_kv_heads
   common = dict(qk_scale=scale * LOG2_E, scale=scale, mods=mods, block_q=block_q,
-                block_kv=block_kv, num_stages=config.num_stages, seq_q=seq_q, seq_kv=seq_kv,
-                group=group)
+                block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv, group=group)
   # The segment arrays' refs follow the eight inputs; the kernels take them as `segment_refs`.
   with_segments = functools.partial(_mosaic.with_extra_refs, inputs=8, count=len(segment_arrays),
                                     to_keywords=lambda refs: dict(segment_refs=tuple(refs)))
@@ -581,20 +656,22 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
   operands = (q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays)
 
   splits = head_splits(k.shape, group, config, causal=mods.is_causal, sm_count=sm_count)
-  owned = plgpu.SMEM((NUM_CONSUMERS * block_kv, head_dim), dtype, **swizzled)
+  key_tiles = _key_tiles(head_dim)
+  owned = plgpu.SMEM((key_tiles * block_kv, head_dim), dtype, **swizzled)
   ring = plgpu.SMEM((config.num_stages, block_q, head_dim), dtype, **swizzled)
   stats_ring = plgpu.SMEM((config.num_stages, block_q), jnp.float32)
-  partials_out = plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim // 2), jnp.float32, **_swizzled(4))
+  partials_out = plgpu.SMEM((NUM_CONSUMERS, block_kv, _out_columns(head_dim)), jnp.float32,
+                            **_swizzled(4))
   partials = jax.ShapeDtypeStruct((splits * batch, *k.shape[1:]), jnp.float32)
   scratch = [owned, owned, ring, ring, stats_ring, stats_ring, partials_out,
-             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+             plgpu.Barrier(num_barriers=key_tiles),
+             plgpu.Barrier(num_barriers=key_tiles),
              *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
              plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)]
-  dkdv = functools.partial(_dkdv_kernel, splits=splits, **common)
+  dkdv = functools.partial(_dkdv_kernel, splits=splits, num_stages=config.num_stages, **common)
   # Parts vary fastest: the first key blocks, which carry the most queries under the causal
   # mask, launch first.
-  grid = dict(grid=(num_kv_heads * splits, seq_kv_pad // (NUM_CONSUMERS * block_kv), batch),
+  grid = dict(grid=(num_kv_heads * splits, seq_kv_pad // _cta_keys(head_dim, config), batch),
               grid_names=("part", "kv_tile", "batch"))
   if config.deterministic:
     dkdv.__name__ = "mosaic_backward_dkdv"  # the name profiles show
@@ -621,18 +698,19 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
     return (dq * scale).astype(dtype), dk, dv
 
   num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
-  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, **common)
+  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles,
+                                num_stages=config.dq_stages, **common)
   dq_kernel.__name__ = "mosaic_backward_dq"
   rows_owned = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled)
-  kv_ring = plgpu.SMEM((config.num_stages, block_kv, head_dim), dtype, **swizzled)
+  kv_ring = plgpu.SMEM((config.dq_stages, block_kv, head_dim), dtype, **swizzled)
   stats_owned = plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32)
   dq = plgpu.kernel(
       with_segments(dq_kernel), out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       scratch_types=[rows_owned, rows_owned, stats_owned, stats_owned, kv_ring, kv_ring,
                      plgpu.Barrier(num_barriers=4 * NUM_CONSUMERS),
-                     plgpu.Barrier(num_barriers=config.num_stages),
-                     plgpu.Barrier(num_barriers=config.num_stages),
-                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)],
+                     plgpu.Barrier(num_barriers=config.dq_stages),
+                     plgpu.Barrier(num_barriers=config.dq_stages),
+                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.dq_stages)],
       compiler_params=params, grid=(num_q_tiles, num_heads, batch),
       grid_names=("q_tile", "head", "batch"), **threads)(*operands)
   return dq, dk, dv
@@ -645,7 +723,8 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   """Gradients (dq [B, T, N, H], dk, dv [B, S, K, H], in the inputs' dtype) of
   `jaxflash.mosaic.prefill_attention` on sm_90.
 
-  query [B, T, N, H], key/value [B, S, K, H] (N a multiple of K; H 64 or 128; bf16 or fp16);
+  query [B, T, N, H], key/value [B, S, K, H] (N a multiple of K; H 64, 128 or 256; bf16 or
+  fp16);
   out [B, T, N, H] and lse [B, T, N] (natural log) the forward's residuals; d_out the
   output's cotangent, d_lse (optional, [B, T, N]) the LSE's. q_lengths, kv_lengths: optional
   int [B], bottom-right alignment as in the forward. dK/dV are summed over each KV head's
@@ -679,9 +758,15 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   if not _mosaic.on_gpu():
     raise NotImplementedError(_mosaic.INTERPRET_GAPS)
 
+  info = device_info()
+  need = config.smem_bytes(head_dim, jnp.dtype(query.dtype).itemsize)
+  if need > info.smem_per_block:
+    raise ValueError(f"config {config} needs {need} bytes of shared memory at head dim "
+                     f"{head_dim} (query {tuple(query.shape)}), over the {info.smem_per_block} "
+                     f"of a block on {info.name}")
   block_q, block_kv = config.block_q, config.block_kv
   seq_q_pad = round_up(seq_q, NUM_CONSUMERS * block_q)
-  seq_kv_pad = round_up(seq_kv, NUM_CONSUMERS * block_kv)
+  seq_kv_pad = round_up(seq_kv, _cta_keys(head_dim, config))  # whole dK/dV CTAs
   q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else q_lengths
   kv_len = jnp.full((batch,), seq_kv, jnp.int32) if kv_lengths is None else kv_lengths
 
@@ -721,7 +806,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
                       block_ranges(kv_ids, q_ids, block_kv, block_q))
 
   launch = functools.partial(_launch, config=config, scale=scale, mods=mods, seq_q=seq_q,
-                             seq_kv=seq_kv, sm_count=device_info().sm_count)
+                             seq_kv=seq_kv, sm_count=info.sm_count)
 
   @jax.custom_batching.custom_vmap
   def run_kernels(*operands):
