@@ -11,8 +11,7 @@ the backward. TFLOP/s count FLOPs as FlashAttention-2 does: the causal forward's
 Contenders: jaxflash (the Pallas-Triton forward and its FlashAttention-2 backward,
 jaxflash/prefill_backward.py), jaxflash_default (`jaxflash.attention`'s default path: on
 sm_90 the Mosaic GPU forward, and the Mosaic backward where vjp.default_backward_reason
-lets it), jaxflash_mosaic_bwd (the Mosaic forward and backward, forced), jaxflash_added_dq
-(the same with MosaicBackwardConfig(deterministic=False): dQ added from the dK/dV kernel), cuDNN
+lets it), jaxflash_mosaic_bwd (the Mosaic forward and backward, forced), cuDNN
 (jax.nn, implementation="cudnn"), jax.nn "xla", JAX's Pallas `mha` with its own backward
 (no GQA: K/V repeated inside the call, so its dK/dV are reduced by XLA), and, when
 importable, FlashAttention-3 (flash_attn3_jax.flash_mha) and tokamax "mosaic". Also each
@@ -43,11 +42,9 @@ from bench.timing import Timing, device_times_us, free_memory, has_gpu, record_r
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 2, 128
 DTYPE = jnp.bfloat16
-IMPLS = ("jaxflash", "jaxflash_default", "jaxflash_mosaic_bwd", "jaxflash_added_dq", "cudnn", "fa3",
-         "tokamax", "pallas_mha", "xla")
+IMPLS = ("jaxflash", "jaxflash_default", "jaxflash_mosaic_bwd", "cudnn", "fa3", "tokamax", "pallas_mha", "xla")
 LABELS = {"jaxflash": "jaxflash Triton", "jaxflash_default": "jaxflash default",
           "jaxflash_mosaic_bwd": "jaxflash Mosaic fwd + bwd",
-          "jaxflash_added_dq": "jaxflash Mosaic, dQ added (deterministic=False)",
           "cudnn": "cuDNN (jax.nn)", "fa3": "FlashAttention-3",
           "tokamax": "tokamax mosaic", "pallas_mha": "JAX Pallas mha", "xla": "jax.nn xla"}
 MAX_N_XLA = 16384  # jax.nn "xla" keeps the n x n probabilities for its backward
@@ -71,13 +68,6 @@ def jaxflash_default_attention(q, k, v):
 def jaxflash_mosaic_backward_attention(q, k, v):
   import jaxflash
   return jaxflash.attention(q, k, v, is_causal=True, backward_implementation="mosaic")
-
-
-def jaxflash_added_dq_attention(q, k, v):
-  from jaxflash import MosaicBackwardConfig
-  from jaxflash.prefill import prefill_attention
-  return prefill_attention(q, k, v, is_causal=True, backward_implementation="mosaic",
-                           backward_config=MosaicBackwardConfig(deterministic=False))
 
 
 def cudnn_attention(q, k, v):
@@ -104,7 +94,6 @@ def pallas_mha_attention(q, k, v):
 
 CONTENDERS = {"jaxflash": jaxflash_attention(), "jaxflash_default": jaxflash_default_attention,
               "jaxflash_mosaic_bwd": jaxflash_mosaic_backward_attention,
-              "jaxflash_added_dq": jaxflash_added_dq_attention,
               "cudnn": cudnn_attention, "fa3": peers.fa3_attention,
               "tokamax": peers.tokamax_attention, "pallas_mha": pallas_mha_attention, "xla": xla_attention}
 

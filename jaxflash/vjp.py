@@ -165,9 +165,9 @@ def default_backward_reason(query, key, value, options: Options, *, mods: ScoreM
   """None when backward_implementation=None takes the Mosaic GPU backward: where it serves
   the call and its dK/dV kernel, each KV head's query-head group split over CTAs
   (`mosaic.backward.head_splits`), has at least one CTA per SM. Below that (B = 1 at 1K keys
-  with 12 / 2 heads at d = 128: 96 CTAs on 132 SMs; at d = 256 a CTA holds 64 keys, not 128,
-  so 1K keys give 192) the Triton backward, which also splits each key block's queries over
-  programs, runs. Measured at d = 128 from 2K up: 1.04-1.18x the Triton backward's fwd+bwd
+  with 12 / 2 heads at d = 128: 96 CTAs on 132 SMs) the Triton backward, which also splits
+  each key block's queries over programs, runs, and at head dims over 128 too (the Mosaic
+  layout there is untimed). Measured at d = 128 from 2K up: 1.04-1.18x the Triton backward's fwd+bwd
   speed at 2K-8K, 1.2-1.4x from 16K and at 4 x 4K (bench/studies/results/h100/
   train_dq_variants.md)."""
   from jaxflash.device import device_info
@@ -175,6 +175,10 @@ def default_backward_reason(query, key, value, options: Options, *, mods: ScoreM
   reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)
   if reason is not None:
     return reason
+  if query.shape[-1] > 128:
+    return ("at head dims over 128 the Mosaic backward's layout (six products a block, one dQ "
+            "ring slot) is not yet timed against the Triton backward; "
+            "backward_implementation='mosaic' runs it")
   info = device_info()
   programs = dkv_programs(key.shape, query.shape[2] // key.shape[2],
                           mosaic_backward_config(query.shape[-1], query.dtype, info),

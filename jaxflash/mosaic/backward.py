@@ -8,7 +8,7 @@ output O and the natural-log LSE. With P = exp(scale * Q K^T - LSE) and delta = 
     dK = scale dS^T Q                 dQ = scale dS K
 
 Three launches, as FlashAttention-3 (Shah et al., 2024, arXiv 2407.08608) builds its sm_90
-backward:
+backward, except that dQ has a kernel of its own instead of float32 atomics:
 
 * the preprocess (plain XLA, fused): delta in float32 and the LSE in base 2, both
   transposed to [B, N, T] so a tile's rows are one contiguous TMA copy. Rows with nothing to
@@ -26,17 +26,15 @@ backward:
   132 SMs) or a causal mask (the first key block sees every query, the last one 128) one part
   per group would leave SMs idle, as FlashAttention-2 (Dao 2023, section 3.2) splits work
   over the sequence for the same reason;
-* dQ, in one of two forms (`MosaicBackwardConfig.deterministic`):
-  - added from the dK/dV kernel (FlashAttention-3's form, section 3.3 of its paper: five
-    matrix products a block): both consumers put their dS^T in one of two shared-memory
-    buffers, and each multiplies the block's dS (over the CTA's keys) by K for half of dQ's
-    columns, issued beside dV's and dK's products, and adds the result into float32 global
-    memory with a TMA reduce-add. The order of the adds varies from run to run;
-  - a kernel of its own: one CTA per (block of queries, query head, sequence), two consumer
-    warpgroups of `block_q` rows each, the producer streaming K and V: S = Q K^T, P,
-    dP = dO V^T, dS, dQ += dS K. It recomputes S and dP (seven products a block; Tri Dao on
-    the 5-GEMM and 7-GEMM forms, flash-attention issue #1172) and in exchange every element
-    is summed in one fixed order, so repeated calls give bitwise-equal gradients.
+* dQ: one CTA per (block of queries, query head, sequence), two consumer warpgroups of
+  `block_q` rows each, the producer streaming K and V: S = Q K^T, P, dP = dO V^T, dS,
+  dQ += dS K.
+
+This recomputes S and dP once more than a single kernel that adds dQ into float32 global
+memory with atomics (seven matrix products a block instead of five; Tri Dao on the 5-GEMM and
+7-GEMM forms, flash-attention issue #1172), and in exchange is deterministic: every element is
+summed in one fixed order, so repeated calls give bitwise-equal gradients. The five-product
+form, built twice here, ran slower than these two kernels (bench/PERFORMANCE.md).
 
 Causal attention and sliding windows are loop bounds (`score_mods.query_blocks` and
 `key_blocks`, the forward's rule seen from either side): a key block's CTA runs only the query
@@ -64,10 +62,9 @@ registers), but its two consumers' own Q and dO rows take 128 KB, which leaves r
 K/V ring slot (`MosaicBackwardConfig.dq_stages`): the producer loads a key block once both
 consumers are done with the one before.
 
-Layout: query [B, T, N, H], key/value [B, S, K, H]; H = 64, 128 or 256 (the added dQ: 128,
-where half of dQ's columns is one swizzled tile); bf16 or fp16. T and S are padded with zeros
-outside the kernels to whole tiles; with lengths, rows and keys past each sequence's lengths
-are zeroed first (TMA copies whole tiles, and 0 * NaN is NaN).
+Layout: query [B, T, N, H], key/value [B, S, K, H]; H = 64, 128 or 256; bf16 or fp16. T and
+S are padded with zeros outside the kernels to whole tiles; with lengths, rows and keys past
+each sequence's lengths are zeroed first (TMA copies whole tiles, and 0 * NaN is NaN).
 """
 from __future__ import annotations
 
@@ -121,13 +118,11 @@ class MosaicBackwardConfig:
   dims over 128 both share them, each owning half of the columns) and the query blocks of
   `block_q` rows stream through `num_stages` ring slots. dQ kernel: each consumer owns
   `block_q` rows and the key blocks of `block_kv` stream through `dq_stages` slots (None:
-  `num_stages`). `deterministic`: dQ from its own kernel (bitwise repeatable), else added
-  into float32 memory from the dK/dV kernel (head dim 128 only)."""
+  `num_stages`)."""
 
   block_q: int = 64
   block_kv: int = 64
   num_stages: int = 2
-  deterministic: bool = True
   dq_stages: int | None = None
 
   def __post_init__(self):
@@ -156,8 +151,6 @@ class MosaicBackwardConfig:
            + buffers(2, stages, self.block_q, size=4)  # the LSE and delta ring
            + buffers(1, NUM_CONSUMERS, self.block_kv, _out_columns(head_dim), size=4)  # staging
            + BARRIER_BYTES * (2 * key_tiles + 5 * stages))
-    if not self.deterministic:  # two dS^T buffers and their barriers
-      return dkv + buffers(1, 2, NUM_CONSUMERS * self.block_kv, self.block_q) + BARRIER_BYTES * 4
     dq = (buffers(2, NUM_CONSUMERS, self.block_q, head_dim)  # each consumer's Q and dO
           + buffers(2, NUM_CONSUMERS, self.block_q, size=4)  # LSE and delta
           + buffers(2, self.dq_stages, self.block_kv, head_dim)  # the K and V ring
@@ -258,58 +251,6 @@ def _load_rows(ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
-@dataclasses.dataclass(frozen=True)
-class _AddedDQ:
-  """dQ added from the dK/dV kernel (FlashAttention-3's atomic dQ, section 3.3 of its paper).
-
-  Per step (a query block), each consumer puts its dS^T [block_kv, block_q] into a shared
-  buffer, then multiplies the block's dS over both consumers' keys by K for its half of dQ's
-  columns and adds that into float32 global memory by a TMA reduce-add. Two buffers, used by
-  alternate steps: a consumer overwrites one only after both consumers' products of two
-  steps back have read it, so neither waits for the other's product of the step before."""
-
-  acc: object  # [B, T_pad, N, H] float32 GMEM, zeros in: dQ / scale
-  ds_smem: object  # [2, 2 * block_kv, block_q] SMEM: both consumers' dS^T, per buffer
-  ds_full: object  # [2] barriers, 2 arrivals: both consumers' dS^T are in the buffer
-  ds_free: object  # [2] barriers, 2 arrivals: both consumers' products have read the buffer
-
-  def start(self, wg, k_loaded):
-    """Both buffers start free; every product reads both consumers' keys."""
-    for buffer in range(2):
-      plgpu.barrier_arrive(self.ds_free.at[buffer])
-    plgpu.barrier_wait(k_loaded.at[1 - wg])
-
-  def share(self, step, wg, ds_t):
-    """This consumer's dS^T [block_kv, block_q] into the step's buffer."""
-    buffer = lax.rem(step, 2)
-    rows = pl.ds(wg * ds_t.shape[0], ds_t.shape[0])
-    plgpu.barrier_wait(self.ds_free.at[buffer])  # the products of two steps back read it
-    self.ds_smem[buffer, rows] = ds_t
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(self.ds_full.at[buffer])
-
-  def add(self, step, wg, k_smem, stage, rows):
-    """dQ / scale of the step's query block over the CTA's keys, this consumer's half of
-    the columns, added to `rows` ([block_q] indices of `acc` without the columns) through
-    `stage` [block_q, H / 2] float32 SMEM. Reading the product waits for every product this
-    consumer issued, dV's and dK's with it."""
-    buffer = lax.rem(step, 2)
-    block_q, columns = stage.shape
-    cols = pl.ds(wg * columns, columns)
-    plgpu.barrier_wait(self.ds_full.at[buffer])
-
-    def product(acc):
-      plgpu.wgmma(acc, self.ds_smem.at[buffer].T, k_smem.at[:, cols])  # [block_q, keys] x [keys, C]
-      return acc[...]
-
-    dq = pl.run_scoped(product, plgpu.ACC((block_q, columns), jnp.float32))
-    plgpu.barrier_arrive(self.ds_free.at[buffer])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read `stage`
-    stage[...] = dq
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage, self.acc.at[(*rows, cols)], reduction_op="add")
-
-
 def _dkdv_kernel(
     q_len_ref,  # [B] int32 GMEM
     kv_len_ref,  # [B] int32 GMEM
@@ -325,13 +266,12 @@ def _dkdv_kernel(
                      # (one tile, H > 128) the keys both consumers share
     q_smem, do_smem,  # [stages, block_q, H] SMEM ring
     lse_smem, delta_smem,  # [stages, block_q] float32 SMEM ring
-    out_smem,  # [2, block_kv, C] float32 SMEM: each consumer's dK, dV (and dQ) on the way out
+    out_smem,  # [2, block_kv, C] float32 SMEM: each consumer's dK and dV on their way out
     k_loaded, v_loaded,  # [tiles] barriers: a K / V tile landed
     q_ready, do_ready, lse_ready, delta_ready,  # [stages] barriers: a slot's TMA landed
     slot_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     *, segment_refs=None,  # packed documents: (q_ids [B, T_pad], kv_ids [B, S_pad], the
                            # dQ kernel's ranges, this kernel's [B, S_pad // block_kv, 4]) int32
-    added_dq: _AddedDQ | None = None,  # dQ added here (else the dQ kernel computes it)
     qk_scale: float, scale: float, mods: ScoreMods, block_q: int, block_kv: int,
     num_stages: int, seq_q: int, seq_kv: int, group: int, splits: int,
 ):
@@ -407,8 +347,7 @@ def _dkdv_kernel(
 
     def step(i, carry, *, head_step, masked: bool):
       dk, dv = carry  # [block_kv, columns] float32 each
-      steps_before = head_step * count + i - lo
-      slot = lax.rem(steps_before, num_stages)
+      slot = lax.rem(head_step * count + i - lo, num_stages)
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
       for ready in (q_ready, do_ready, lse_ready, delta_ready):
         plgpu.barrier_wait(ready.at[slot])
@@ -434,10 +373,6 @@ def _dkdv_kernel(
         # registers until they complete (the end of this scope waits for them).
         plgpu.wgmma(dv_ref_, p_t.astype(dtype), own_columns(do_tile))  # dV += P^T dO
         plgpu.wgmma(dk_ref_, ds_t, own_columns(q_tile))  # dK += dS^T Q
-        if added_dq is not None:  # dQ's product runs beside them
-          added_dq.share(steps_before, wg, ds_t)
-          added_dq.add(steps_before, wg, k_smem, out_smem.at[wg],
-                       (batch, pl.ds(i * block_q, block_q), first_head + head_step))
 
       _, _, dv, dk = pl.run_state(body)(
           (plgpu.ACC.init(zero_scores), plgpu.ACC.init(zero_scores), plgpu.ACC.init(dv),
@@ -453,8 +388,6 @@ def _dkdv_kernel(
       return lax.fori_loop(full_hi, hi, masked, carry)
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, columns), jnp.float32), plgpu.Layout.WGMMA)
-    if added_dq is not None:
-      added_dq.start(wg, k_loaded)
     plgpu.barrier_wait(k_loaded.at[tile])
     plgpu.barrier_wait(v_loaded.at[tile])
     dk, dv = lax.fori_loop(0, heads, head_loop, (zeros, zeros))
@@ -600,19 +533,6 @@ def _dq_kernel(
       plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
 
-def _kernel_into_refs(body, *, scratch_types, compiler_params, grid, grid_names, num_threads,
-                      thread_name):
-  """`plgpu.kernel` whose outputs are Refs passed after its inputs (inside `pl.run_state`),
-  for a kernel that adds into memory it does not own whole."""
-  def with_scratch(*refs):
-    pl.run_scoped(functools.partial(body, *refs), *scratch_types, collective_axes=thread_name)
-
-  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads,
-                    thread_name=thread_name)
-  return pl.kernel(with_scratch, out_type=(), mesh=mesh, compiler_params=compiler_params,
-                   name=body.__name__)
-
-
 def _check_args(query, key, value, out, lse, d_out):
   _checks.check_qkv(query, key, value)
   _checks.check_same_batch(query, key)
@@ -673,29 +593,12 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
   # mask, launch first.
   grid = dict(grid=(num_kv_heads * splits, seq_kv_pad // _cta_keys(head_dim, config), batch),
               grid_names=("part", "kv_tile", "batch"))
-  if config.deterministic:
-    dkdv.__name__ = "mosaic_backward_dkdv"  # the name profiles show
-    dk, dv = plgpu.kernel(with_segments(dkdv), out_type=(partials, partials),
-                          scratch_types=scratch, compiler_params=params, **grid,
-                          **threads)(*operands)
-  else:
-    def dkdv_dq(*refs, **keywords):  # 8 inputs, the dQ accumulator, dK, dV, the scratch
-      *fixed, ds_smem, ds_full, ds_free = refs[11:]
-      dkdv(*refs[:8], *refs[9:11], *fixed,
-           added_dq=_AddedDQ(refs[8], ds_smem, ds_full, ds_free), **keywords)
-
-    scratch += [plgpu.SMEM((2, NUM_CONSUMERS * block_kv, block_q), dtype, **swizzled),
-                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
-                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2)]
-    kernel = _kernel_into_refs(with_segments(dkdv_dq), scratch_types=scratch,
-                               compiler_params=params, **grid, **threads)
-    # The kernel adds into dQ's accumulator; dK and dV it writes whole.
-    dq, dk, dv = pl.run_state(lambda refs: kernel(*operands, *refs))(
-        (jnp.zeros(q.shape, jnp.float32), *[jnp.zeros(partials.shape, partials.dtype)] * 2))
+  dkdv.__name__ = "mosaic_backward_dkdv"  # the name profiles show
+  dk, dv = plgpu.kernel(with_segments(dkdv), out_type=(partials, partials),
+                        scratch_types=scratch, compiler_params=params, **grid,
+                        **threads)(*operands)
   # The parts' float32 partial sums, added in a fixed order.
   dk, dv = (x.reshape(splits, *k.shape).sum(axis=0).astype(dtype) for x in (dk, dv))
-  if not config.deterministic:
-    return (dq * scale).astype(dtype), dk, dv
 
   num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
   dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles,
@@ -728,8 +631,7 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   out [B, T, N, H] and lse [B, T, N] (natural log) the forward's residuals; d_out the
   output's cotangent, d_lse (optional, [B, T, N]) the LSE's. q_lengths, kv_lengths: optional
   int [B], bottom-right alignment as in the forward. dK/dV are summed over each KV head's
-  group of query heads inside the kernel. config.deterministic: dQ from its own kernel
-  (bitwise repeatable), else added from the dK/dV kernel in float32 (H = 128).
+  group of query heads inside the kernel. Deterministic (no atomics).
 
   window: the forward's `local_window_size` (w or (left, right)), as there: row t at key
   position p sees keys p - left ... p + right. segment_ids [B, T] and kv_segment_ids [B, S]
@@ -749,10 +651,6 @@ def mosaic_backward(query, key, value, out, lse, d_out, q_lengths=None, kv_lengt
   if not isinstance(scale, float):
     raise TypeError("the Mosaic backward takes a static float scale")
   config = config or mosaic_backward_config(head_dim, query.dtype)
-  if not config.deterministic and head_dim != 128:
-    raise ValueError(f"MosaicBackwardConfig(deterministic=False) takes head dim 128 (each "
-                     f"consumer adds half of dQ's columns, one swizzled tile), got query "
-                     f"{tuple(query.shape)}")
   if 0 in (batch, seq_q, num_heads) or seq_kv == 0:
     return jnp.zeros_like(query), jnp.zeros_like(key), jnp.zeros_like(value)
   if not _mosaic.on_gpu():
