@@ -167,9 +167,9 @@ def default_backward_reason(query, key, value, options: Options, *, mods: ScoreM
   (`mosaic.backward.head_splits`), has at least one CTA per SM. Below that (B = 1 at 1K keys
   with 12 / 2 heads at d = 128: 96 CTAs on 132 SMs) the Triton backward, which also splits
   each key block's queries over programs, runs, and at head dims over 128 too (the Mosaic
-  layout there is untimed). Measured at d = 128 from 2K up: 1.04-1.18x the Triton backward's fwd+bwd
-  speed at 2K-8K, 1.2-1.4x from 16K and at 4 x 4K (bench/studies/results/h100/
-  train_dq_variants.md)."""
+  layout there has not run compiled yet). Measured at d = 128 from 2K up: 1.04-1.18x the
+  Triton backward's fwd+bwd speed at 2K-8K, 1.2-1.4x from 16K and at 4 x 4K
+  (bench/studies/results/h100/train_dq_variants.md)."""
   from jaxflash.device import device_info
   from jaxflash.mosaic.backward import dkv_programs, mosaic_backward_config
   reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)
@@ -177,8 +177,8 @@ def default_backward_reason(query, key, value, options: Options, *, mods: ScoreM
     return reason
   if query.shape[-1] > 128:
     return ("at head dims over 128 the Mosaic backward's layout (six products a block, one dQ "
-            "ring slot) is not yet timed against the Triton backward; "
-            "backward_implementation='mosaic' runs it")
+            "ring slot) has not yet been compiled and timed against the Triton backward on a "
+            "GPU; backward_implementation='mosaic' runs it")
   info = device_info()
   programs = dkv_programs(key.shape, query.shape[2] // key.shape[2],
                           mosaic_backward_config(query.shape[-1], query.dtype, info),
