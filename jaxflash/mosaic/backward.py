@@ -34,7 +34,7 @@ This recomputes S and dP once more than a single kernel that adds dQ into float3
 memory with atomics (seven matrix products a block instead of five; Tri Dao on the 5-GEMM and
 7-GEMM forms, flash-attention issue #1172), and in exchange is deterministic: every element is
 summed in one fixed order, so repeated calls give bitwise-equal gradients. The five-product
-form, built twice here, ran slower than these two kernels (bench/PERFORMANCE.md).
+form has measured slower than these two kernels here (bench/PERFORMANCE.md, Mosaic backward).
 
 Causal attention and sliding windows are loop bounds (`score_mods.query_blocks` and
 `key_blocks`, the forward's rule seen from either side): a key block's CTA runs only the query
