@@ -28,7 +28,9 @@ backward, except that dQ has a kernel of its own instead of float32 atomics:
   over the sequence for the same reason;
 * dQ: one CTA per (block of queries, query head, sequence), two consumer warpgroups of
   `block_q` rows each, the producer streaming K and V: S = Q K^T, P, dP = dO V^T, dS,
-  dQ += dS K.
+  dQ += dS K. dS enters that product in float16 (11 significant bits to bfloat16's 8), Q, K
+  and dS scaled by powers of two into float16's range (`mosaic.float16_dq`): on rows where one
+  key dominates, dS's bfloat16 rounding set dQ's largest error.
 
 This recomputes S and dP once more than a single kernel that adds dQ into float32 global
 memory with atomics (seven matrix products a block instead of five; Tri Dao on the 5-GEMM and
@@ -83,6 +85,7 @@ from jaxflash.device import DeviceInfo, device_info
 # Shared with the forward (the register split between producer and consumers, the tile
 # swizzle, the dtypes).
 from jaxflash.mosaic.config import DTYPES, SWIZZLE_BYTES, device_reason, registers, round_up
+from jaxflash.mosaic.float16_dq import float16_dq_operands
 from jaxflash.mosaic.mask import KeyMask, iota
 from jaxflash.mosaic.pipeline import KeyBlocks, QueryBlocks
 from jaxflash.mosaic.segments import Segments, block_ranges, check_segment_ids, pad_ids
@@ -152,9 +155,9 @@ class MosaicBackwardConfig:
            + buffers(1, NUM_CONSUMERS, self.block_kv, _out_columns(head_dim), size=4)  # staging
            + BARRIER_BYTES * (2 * key_tiles + 5 * stages))
     dq = (buffers(2, NUM_CONSUMERS, self.block_q, head_dim)  # each consumer's Q and dO
-          + buffers(2, NUM_CONSUMERS, self.block_q, size=4)  # LSE and delta
+          + buffers(4, NUM_CONSUMERS, self.block_q, size=4)  # LSE, delta and two scales
           + buffers(2, self.dq_stages, self.block_kv, head_dim)  # the K and V ring
-          + BARRIER_BYTES * (4 * NUM_CONSUMERS + 3 * self.dq_stages))
+          + BARRIER_BYTES * (6 * NUM_CONSUMERS + 3 * self.dq_stages))
     return max(dkv, dq)
 
 
@@ -427,24 +430,26 @@ def _dkdv_kernel(
 def _dq_kernel(
     q_len_ref,  # [B] int32 GMEM
     kv_len_ref,  # [B] int32 GMEM
-    q_ref,  # [B, T_pad, N, H] GMEM
-    k_ref,  # [B, S_pad, K, H] GMEM
+    q_ref,  # [B, T_pad, N, H] float16 GMEM: Q 2^-a (mosaic.float16_dq, as are k, lse, scales)
+    k_ref,  # [B, S_pad, K, H] float16 GMEM: K 2^-e
     v_ref,  # [B, S_pad, K, H] GMEM
     do_ref,  # [B, T_pad, N, H] GMEM
-    lse_ref,  # [B, N, T_pad] float32 GMEM: base-2 LSE, +inf on rows that attend nothing
+    lse_ref,  # [B, N, T_pad] float32 GMEM: base-2 LSE - r, +inf on rows that attend nothing
     delta_ref,  # [B, N, T_pad] float32 GMEM
-    dq_ref,  # [B, T_pad, N, H] GMEM
+    score_scale_ref,  # [B, N, T_pad] float32 GMEM: what turns Q16 K16^T into base-2 scores
+    out_scale_ref,  # [B, N, T_pad] float32 GMEM: what turns the sums of dS 2^r K16 into dQ
+    dq_ref,  # [B, T_pad, N, H] GMEM, dO's dtype
     q_smem, do_smem,  # [2, block_q, H] SMEM: each consumer's own rows
-    lse_smem, delta_smem,  # [2, block_q] float32 SMEM
+    lse_smem, delta_smem, score_scale_smem, out_scale_smem,  # [2, block_q] float32 SMEM
     k_smem, v_smem,  # [stages, block_kv, H] SMEM ring
-    rows_loaded,  # [4 * 2] barriers: a consumer's Q, dO, LSE, delta landed
+    rows_loaded,  # [6 * 2] barriers: a consumer's Q, dO and four row vectors landed
     k_ready, v_ready,  # [stages] barriers
     slot_free,  # [stages] barriers, 2 arrivals
     *, segment_refs=None,  # as the dK/dV kernel's
-    qk_scale: float, scale: float, mods: ScoreMods, block_q: int, block_kv: int,
-    num_stages: int, seq_q: int, seq_kv: int, group: int, num_q_tiles: int,
+    mods: ScoreMods, block_q: int, block_kv: int, num_stages: int, seq_q: int, seq_kv: int,
+    group: int, num_q_tiles: int,
 ):
-  dtype = q_ref.dtype
+  dtype = do_ref.dtype
   head_dim = q_ref.shape[-1]
   wg = lax.axis_index("wg")
   # The longest rows (the last, under the causal mask) launch first.
@@ -466,11 +471,13 @@ def _dq_kernel(
     rows = (batch, pl.ds(q_base, block_q), head)
     stats = (batch, head, pl.ds(q_base, block_q))
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
-    loaded = [rows_loaded.at[NUM_CONSUMERS * n + wg] for n in range(4)]
+    row_vectors = ((lse_ref, lse_smem), (delta_ref, delta_smem),
+                   (score_scale_ref, score_scale_smem), (out_scale_ref, out_scale_smem))
+    loaded = [rows_loaded.at[NUM_CONSUMERS * n + wg] for n in range(2 + len(row_vectors))]
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tile, loaded[0])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_tile, loaded[1])
-    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], loaded[2])
-    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], loaded[3])
+    for (gmem, smem), barrier in zip(row_vectors, loaded[2:]):
+      plgpu.copy_gmem_to_smem(gmem.at[stats], smem.at[wg], barrier)
     # Key blocks [full_lo, full_hi) are seen whole by every row of this consumer; the rest
     # of the CTA's [lo, hi) runs masked.
     (_, full_lo, full_hi, _), (_, shift, kv_valid) = blocks.of_rows(batch, q_base)
@@ -483,8 +490,8 @@ def _dq_kernel(
 
     for barrier in loaded:
       plgpu.barrier_wait(barrier)
-    lse = _load_rows(lse_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
-    delta = _load_rows(delta_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+    lse, delta, score_scale, out_scale = (_load_rows(smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+                                          for _, smem in row_vectors)
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j - lo, num_stages)
@@ -494,16 +501,17 @@ def _dq_kernel(
 
       def body(refs):
         s_ref, dp_ref_, dq_ref_ = refs
-        plgpu.wgmma(s_ref, q_tile, k_tile.T)  # S = Q K^T
+        plgpu.wgmma(s_ref, q_tile, k_tile.T)  # S 2^-(a+e) = Q16 K16^T
         plgpu.wgmma(dp_ref_, do_tile, v_tile.T)  # dP = dO V^T, beside the exponentials
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
         if masked:  # -inf scores: P = 0 (exp2(-inf - LSE), the LSE finite or +inf)
           s = mask.apply(s, j, q_base, shift, kv_valid, batch, row_ids)
-        p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, s.shape, [0]))
+        rows_of = lambda x: lax.broadcast_in_dim(x, s.shape, [0])
+        p = jnp.exp2(s * rows_of(score_scale) - rows_of(lse))  # P 2^r
         p = lax.optimization_barrier(p)  # the exponentials stay ahead of the wait for dP
         dp = plgpu.wgmma_accumulator_load(dp_ref_, wait_n=0)
-        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-        plgpu.wgmma(dq_ref_, ds.astype(dtype), k_tile)  # dQ += dS K
+        ds = p * (dp - rows_of(delta))  # dS 2^r, below 2^15
+        plgpu.wgmma(dq_ref_, ds.astype(jnp.float16), k_tile)  # dQ 2^(r-e) += dS 2^r K16
 
       _, _, dq = pl.run_state(body)((plgpu.ACC.init(zero_scores), plgpu.ACC.init(zero_scores),
                                      plgpu.ACC.init(dq)))
@@ -515,9 +523,10 @@ def _dq_kernel(
     dq = lax.fori_loop(lo, full_lo, masked, dq)
     dq = lax.fori_loop(full_lo, full_hi, whole, dq)
     dq = lax.fori_loop(full_hi, hi, masked, dq)
-    q_tile[...] = (dq * scale).astype(dtype)  # (the last wgmma reading Q has completed)
+    # dO's tile holds dQ on its way out (the last wgmma reading it has completed).
+    do_tile[...] = (dq * lax.broadcast_in_dim(out_scale, dq.shape, [0])).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[rows])
+    plgpu.copy_smem_to_gmem(do_tile, dq_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == NUM_CONSUMERS)
@@ -601,21 +610,30 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
   dk, dv = (x.reshape(splits, *k.shape).sum(axis=0).astype(dtype) for x in (dk, dv))
 
   num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
-  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles,
-                                num_stages=config.dq_stages, **common)
+  dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, num_stages=config.dq_stages,
+                                **{k: v for k, v in common.items() if "scale" not in k})
   dq_kernel.__name__ = "mosaic_backward_dq"
-  rows_owned = plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled)
+  # dQ's product takes dS in float16, its operands scaled by powers of two (mosaic.float16_dq).
+  f16 = float16_dq_operands(q, k, v, do, lse2, delta, scale=scale)
+  f16_ring = plgpu.SMEM((config.dq_stages, block_kv, head_dim), jnp.float16, **swizzled)
   kv_ring = plgpu.SMEM((config.dq_stages, block_kv, head_dim), dtype, **swizzled)
   stats_owned = plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32)
+  dq_with_segments = functools.partial(_mosaic.with_extra_refs, inputs=10,
+                                       count=len(segment_arrays),
+                                       to_keywords=lambda refs: dict(segment_refs=tuple(refs)))
   dq = plgpu.kernel(
-      with_segments(dq_kernel), out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      scratch_types=[rows_owned, rows_owned, stats_owned, stats_owned, kv_ring, kv_ring,
-                     plgpu.Barrier(num_barriers=4 * NUM_CONSUMERS),
+      dq_with_segments(dq_kernel), out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=[plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), jnp.float16, **swizzled),
+                     plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled),
+                     *[stats_owned] * 4, f16_ring, kv_ring,
+                     plgpu.Barrier(num_barriers=6 * NUM_CONSUMERS),
                      plgpu.Barrier(num_barriers=config.dq_stages),
                      plgpu.Barrier(num_barriers=config.dq_stages),
                      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.dq_stages)],
       compiler_params=params, grid=(num_q_tiles, num_heads, batch),
-      grid_names=("q_tile", "head", "batch"), **threads)(*operands)
+      grid_names=("q_tile", "head", "batch"), **threads)(
+          q_len, kv_len, f16.q, f16.k, v, do, f16.lse2, delta, f16.score_scale, f16.out_scale,
+          *segment_arrays)
   return dq, dk, dv
 
 
