@@ -143,7 +143,7 @@ def mosaic_backward(mods: ScoreMods, static_scale: float, config=None) -> Callab
 def mosaic_backward_reason(query, key, value, options: Options, *, mods: ScoreMods,
                            static_scale: float | None) -> str | None:
   """None when the Mosaic GPU backward serves this call, else why not."""
-  from jaxflash.mosaic.backward import backward_reason
+  from jaxflash.mosaic.backward_config import backward_reason
   alignment = mods.causal_alignment if mods.is_causal else "bottom_right"
   if (alignment == "top_left" and query.shape[-3] == key.shape[-3]
       and options.q_lengths is None and options.kv_lengths is None):
@@ -164,14 +164,14 @@ def default_backward_reason(query, key, value, options: Options, *, mods: ScoreM
                             static_scale: float | None) -> str | None:
   """None when backward_implementation=None takes the Mosaic GPU backward: where it serves
   the call and its dK/dV kernel, each KV head's query-head group split over CTAs
-  (`mosaic.backward.head_splits`), has at least one CTA per SM. Below that (B = 1 at 1K keys
+  (`mosaic.backward_config.head_splits`), has at least one CTA per SM. Below that (B = 1 at 1K keys
   with 12 / 2 heads at d = 128: 96 CTAs on 132 SMs) the Triton backward, which also splits
   each key block's queries over programs, runs, and at head dims over 128 too (the Mosaic
   layout there has not run compiled yet). Measured at d = 128 from 2K up: 1.04-1.18x the
   Triton backward's fwd+bwd speed at 2K-8K, 1.2-1.4x from 16K and at 4 x 4K
   (bench/studies/results/h100/train_dq_variants.md)."""
   from jaxflash.device import device_info
-  from jaxflash.mosaic.backward import dkv_programs, mosaic_backward_config
+  from jaxflash.mosaic.backward_config import dkv_programs, mosaic_backward_config
   reason = mosaic_backward_reason(query, key, value, options, mods=mods, static_scale=static_scale)
   if reason is not None:
     return reason
@@ -196,7 +196,7 @@ def choose_backward(backward_implementation, query, key, value, options: Options
   BackwardConfig for the Triton kernels or a MosaicBackwardConfig, which asks for the Mosaic
   backward (None: the tuned one of the backward chosen)."""
   check_backward_implementation(backward_implementation)
-  from jaxflash.mosaic.backward import MosaicBackwardConfig
+  from jaxflash.mosaic.backward_config import MosaicBackwardConfig
   mosaic_config = isinstance(config, MosaicBackwardConfig)
   if mosaic_config and backward_implementation == "triton":
     raise TypeError("backward_config is a MosaicBackwardConfig, which backward_implementation='triton' "

@@ -20,8 +20,9 @@ import pytest
 
 from jaxflash import _mosaic
 from jaxflash.device import A100, H200, RTX_4060_LAPTOP
-from jaxflash.mosaic.backward import (MosaicBackwardConfig, backward_reason, mosaic_backward,
-                                      mosaic_backward_config)
+from jaxflash.mosaic.backward import mosaic_backward
+from jaxflash.mosaic.backward_config import (MosaicBackwardConfig, backward_reason,
+                                             mosaic_backward_config)
 from jaxflash.reference import attention_reference
 from jaxflash.score_mods import ScoreMods
 from tests.conftest import HAS_GPU, SM90_ONLY, poison_allocator
@@ -351,10 +352,10 @@ def test_top_left_served_where_it_is_bottom_right(monkeypatch):
   """jaxflash.attention's default alignment is jax.nn's top-left: with as many queries as keys
   and no lengths it is the bottom-right mask, which the Mosaic backward serves."""
   from jaxflash import vjp
-  from jaxflash.mosaic import backward
+  from jaxflash.mosaic import backward_config
   from jaxflash.score_mods import ScoreMods
-  monkeypatch.setattr(backward, "device_reason", lambda info: None)
-  monkeypatch.setattr(backward, "device_info", lambda: H200)
+  monkeypatch.setattr(backward_config, "device_reason", lambda info: None)
+  monkeypatch.setattr(backward_config, "device_info", lambda: H200)
   mods = ScoreMods.from_options(is_causal=True, causal_alignment="top_left")
   square = _struct((1, 90, 6, 128))
 
@@ -376,10 +377,10 @@ def test_default_takes_mosaic_from_one_wave(monkeypatch, batch, seq, head_dim, c
   query heads split in up to 6 parts, has a CTA per SM (B x 2 KV heads x S / 128 x 6 >= 132
   on the H200; S / 64 at head dim 256, where a CTA holds 64 keys), the Triton one below."""
   from jaxflash import device, vjp
-  from jaxflash.mosaic import backward
+  from jaxflash.mosaic import backward_config
   from jaxflash.score_mods import ScoreMods
-  monkeypatch.setattr(backward, "device_reason", lambda info: None)
-  monkeypatch.setattr(backward, "device_info", lambda: H200)
+  monkeypatch.setattr(backward_config, "device_reason", lambda info: None)
+  monkeypatch.setattr(backward_config, "device_info", lambda: H200)
   monkeypatch.setattr(device, "device_info", lambda: H200)
   mods = ScoreMods.from_options(is_causal=True)
   q, kv = _struct((batch, seq, 12, head_dim)), _struct((batch, seq, 2, head_dim))
@@ -442,7 +443,7 @@ def test_kernels_lower_for_cuda(shape, causal, window, segments, monkeypatch):
     ((1, 8192, 2, 256), 6, False, 1)])
 def test_head_splits_fill_the_gpu(key_shape, group, causal, splits):
   """The fewest parts (a divisor of the group) giving a CTA per SM, two under a causal mask."""
-  from jaxflash.mosaic.backward import dkv_programs, head_splits
+  from jaxflash.mosaic.backward_config import dkv_programs, head_splits
   config = mosaic_backward_config(key_shape[-1], BF16)
   assert head_splits(key_shape, group, config, causal=causal, sm_count=132) == splits
   keys_per_cta = 64 if key_shape[-1] == 256 else 128

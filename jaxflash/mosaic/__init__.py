@@ -8,9 +8,10 @@ gives the import error as its reason.
 config.py: the tiles, modes and tuned table; pipeline.py: tile scheduler, K/V ring and the
 consumers' turns; tiles.py: where a key block's tiles come from (caches or page pools);
 softmax.py: the online softmax; mask.py: which keys a row sees; forward.py: the forward
-kernel; backward.py: the backward kernels; segments.py: packed documents.
+kernel; backward.py: the backward kernels; backward_config.py: their tiles and the dispatch's
+check; float16_dq.py: the dQ kernel's float16 operands; segments.py: packed documents.
 """
-from jaxflash.mosaic.backward import MosaicBackwardConfig
+from jaxflash.mosaic.backward_config import MosaicBackwardConfig
 from jaxflash.mosaic.config import MosaicPrefillConfig, mosaic_prefill_config, supports
 from jaxflash.mosaic.forward import prefill_attention
 from jaxflash.prefill import prefill_reference
