@@ -196,7 +196,8 @@ def test_shared_options_and_time_limit():
                                     "paged_prefill", "train", "serve", "studies.profile_step",
                                     "studies.power", "studies.decode_options", "studies.mosaic_sweep",
                                     "studies.quantized_decode_tiles", "studies.backward_error_map",
-                                    "studies.rounding_emulation", "studies.prefill_ab"])
+                                    "studies.rounding_emulation", "studies.dk_emulation",
+                                    "studies.prefill_ab"])
 def test_scripts_import_as_modules(script):
   """Every benchmark runs as `python -m bench.<script>`, without editing sys.path."""
   import sys
@@ -239,6 +240,21 @@ def test_rounding_emulation_smoke():
   assert mosaic["float16"] <= mosaic[emulation.KERNELS_DS], mosaic
   with pytest.raises(SystemExit, match="--starts"):
     emulation.study_case(emulation.accuracy.Case("peaky", 256, 64), 32, starts=[250])
+
+
+def test_dk_emulation_smoke():
+  """The dK emulation's CPU run: a row per (output, dS rounding) and head, errors of bf16's
+  size, and with the exact float32 output and dS unrounded only float32's rounding left
+  (below 1e-5 of max |dK|, a hundred times under any bf16 variant)."""
+  from bench.studies import dk_emulation
+  rows = dk_emulation.main(["--smoke"])
+  assert [(r["output"], r["ds_rounding"]) for r in rows] == dk_emulation.VARIANTS * 2
+  for r in rows:
+    assert 0 < r["dk_rel"] < 1e-2 and r["at"].startswith("key "), r
+  for head in (0, 1):
+    errors = {(r["output"], r["ds_rounding"]): r["dk_rel"] for r in rows if r["head"] == head}
+    floor = errors[(dk_emulation.EXACT_F32, "float32")]
+    assert floor < 1e-5 and all(100 * floor < e for k, e in errors.items() if k[1] == "bf16"), errors
 
 
 def test_prefill_ab_imports_a_commit_beside_the_tree():
