@@ -28,12 +28,9 @@ backward, except that dQ has a kernel of its own instead of float32 atomics:
   over the sequence for the same reason;
 * dQ: one CTA per (block of queries, query head, sequence), two consumer warpgroups of
   `block_q` rows each, the producer streaming K and V: S = Q K^T, P, dP = dO V^T, dS,
-  dQ += dS K.
-
-dS enters both its products (dK += dS^T Q, dQ += dS K) in float16 (11 significant bits to
-bfloat16's 8), with Q, K and dS scaled by powers of two into float16's range
-(`mosaic.float16_dq`; both kernels then compute S from the float16 Q and K): on inputs where
-one key dominates, dS's bfloat16 rounding set the largest errors of dQ and dK.
+  dQ += dS K. dS enters that product in float16 (11 significant bits to bfloat16's 8), Q, K
+  and dS scaled by powers of two into float16's range (`mosaic.float16_dq`): on rows where one
+  key dominates, dS's bfloat16 rounding set dQ's largest error.
 
 This recomputes S and dP once more than a single kernel that adds dQ into float32 global
 memory with atomics (seven matrix products a block instead of five; Tri Dao on the 5-GEMM and
@@ -111,31 +108,28 @@ def _load_rows(ref, layout):
 def _dkdv_kernel(
     q_len_ref,  # [B] int32 GMEM
     kv_len_ref,  # [B] int32 GMEM
-    q_ref,  # [B, T_pad, N, H] float16 GMEM: Q 2^-a (mosaic.float16_dq, as are k and the scales)
-    k_ref,  # [B, S_pad, K, H] float16 GMEM: K 2^-e
+    q_ref,  # [B, T_pad, N, H] GMEM
+    k_ref,  # [B, S_pad, K, H] GMEM
     v_ref,  # [B, S_pad, K, H] GMEM
     do_ref,  # [B, T_pad, N, H] GMEM
     lse_ref,  # [B, N, T_pad] float32 GMEM: base-2 LSE, +inf on rows that attend nothing
     delta_ref,  # [B, N, T_pad] float32 GMEM
-    score_scale_ref,  # [B, N, T_pad] float32 GMEM: what turns K16 Q16^T into base-2 scores
-    ds_scale_ref,  # [B, N, T_pad] float32 GMEM: dS's scale in the dK product, 2^(a+g)
-    dk_ref,  # [splits * B, S_pad, K, H] float32 GMEM: each part's partial sum of dS 2^(a+g) Q16
+    dk_ref,  # [splits * B, S_pad, K, H] float32 GMEM: each part's partial sum
     dv_ref,  # [splits * B, S_pad, K, H] float32 GMEM
     k_smem, v_smem,  # [tiles * block_kv, H] SMEM: each consumer's own keys and values, or
                      # (one tile, H > 128) the keys both consumers share
     q_smem, do_smem,  # [stages, block_q, H] SMEM ring
-    lse_smem, delta_smem, score_scale_smem, ds_scale_smem,  # [stages, block_q] float32 rings
+    lse_smem, delta_smem,  # [stages, block_q] float32 SMEM ring
     out_smem,  # [2, block_kv, C] float32 SMEM: each consumer's dK and dV on their way out
     k_loaded, v_loaded,  # [tiles] barriers: a K / V tile landed
-    q_ready, do_ready, lse_ready, delta_ready, score_scale_ready, ds_scale_ready,  # [stages]
-                                                  # barriers: a slot's TMA landed
+    q_ready, do_ready, lse_ready, delta_ready,  # [stages] barriers: a slot's TMA landed
     slot_free,  # [stages] barriers, 2 arrivals: both consumers are done with a slot
     *, segment_refs=None,  # packed documents: (q_ids [B, T_pad], kv_ids [B, S_pad], the
                            # dQ kernel's ranges, this kernel's [B, S_pad // block_kv, 4]) int32
-    mods: ScoreMods, block_q: int, block_kv: int,
+    qk_scale: float, scale: float, mods: ScoreMods, block_q: int, block_kv: int,
     num_stages: int, seq_q: int, seq_kv: int, group: int, splits: int,
 ):
-  dtype = do_ref.dtype
+  dtype = q_ref.dtype
   head_dim = q_ref.shape[-1]
   shared_keys, key_tiles = shares_keys(head_dim), cta_key_tiles(head_dim)
   wg = lax.axis_index("wg")
@@ -209,31 +203,30 @@ def _dkdv_kernel(
       dk, dv = carry  # [block_kv, columns] float32 each
       slot = lax.rem(head_step * count + i - lo, num_stages)
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-      for ready in (q_ready, do_ready, lse_ready, delta_ready, score_scale_ready, ds_scale_ready):
+      for ready in (q_ready, do_ready, lse_ready, delta_ready):
         plgpu.barrier_wait(ready.at[slot])
-      rows_of = lambda smem: lax.broadcast_in_dim(  # noqa: E731 -- [block_q] -> the tile
-          _load_rows(smem.at[slot], plgpu.Layout.WGMMA.reduce(0)), (block_kv, block_q), [1])
 
       def body(refs):
         s_ref, dp_ref, dv_ref_, dk_ref_ = refs
         # S^T and dP^T contract over every column: with shared keys both consumers compute
         # the same ones (six products a block instead of four).
-        plgpu.wgmma(s_ref, k_tile, q_tile.T)  # S^T 2^-(a+e) = K16 Q16^T
+        plgpu.wgmma(s_ref, k_tile, q_tile.T)  # S^T = K Q^T
         # dP^T needs no P: it runs on the tensor cores while the exponentials below do, as
         # FlashAttention-3 overlaps its softmax with the next product.
         plgpu.wgmma(dp_ref, v_tile, do_tile.T)  # dP^T = V dO^T
         s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T landed, dP^T may still run
-        p_t = jnp.exp2(s_t * rows_of(score_scale_smem) - rows_of(lse_smem))
+        lse = _load_rows(lse_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+        p_t = jnp.exp2(s_t * qk_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]))
         if masked:
           p_t = jnp.where(visible_t(i), p_t, 0.0)
         p_t = lax.optimization_barrier(p_t)  # the exponentials stay ahead of the wait for dP^T
         dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
-        # dS^T 2^(a+g), below 2^15: float16 keeps three more bits of it than bfloat16.
-        ds_t = p_t * (dp_t - rows_of(delta_smem)) * rows_of(ds_scale_smem)
+        delta = _load_rows(delta_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+        ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
         # Both products read their left operand from registers, so nothing is written to
         # registers until they complete (the end of this scope waits for them).
         plgpu.wgmma(dv_ref_, p_t.astype(dtype), own_columns(do_tile))  # dV += P^T dO
-        plgpu.wgmma(dk_ref_, ds_t.astype(jnp.float16), own_columns(q_tile))  # dK 2^g += dS^T Q
+        plgpu.wgmma(dk_ref_, ds_t, own_columns(q_tile))  # dK += dS^T Q
 
       _, _, dv, dk = pl.run_state(body)(
           (plgpu.ACC.init(zero_scores), plgpu.ACC.init(zero_scores), plgpu.ACC.init(dv),
@@ -254,7 +247,7 @@ def _dkdv_kernel(
     dk, dv = lax.fori_loop(0, heads, head_loop, (zeros, zeros))
     partial = (split * q_ref.shape[0] + batch, pl.ds(k_base, block_kv), kv_head)
     width = out_smem.shape[-1]
-    for result, result_ref in ((dk, dk_ref), (dv, dv_ref)):
+    for result, result_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
       for c in range(columns // width):  # `width` columns a copy, through the staging tile
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's last copy has read it
         out_smem[wg] = result[:, c * width:(c + 1) * width]
@@ -278,12 +271,11 @@ def _dkdv_kernel(
         rows = pl.ds((lo + j) * block_q, block_q)
         pl.when(load >= num_stages)(lambda: plgpu.barrier_wait(slot_free.at[slot]))
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot],
+                                lse_ready.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
-        row_vectors = ((lse_ref, lse_smem, lse_ready), (delta_ref, delta_smem, delta_ready),
-                       (score_scale_ref, score_scale_smem, score_scale_ready),
-                       (ds_scale_ref, ds_scale_smem, ds_scale_ready))
-        for gmem, smem, ready in row_vectors:
-          plgpu.copy_gmem_to_smem(gmem.at[batch, head, rows], smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot],
+                                delta_ready.at[slot])
 
 
 def _dq_kernel(
@@ -434,30 +426,27 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
   swizzled = _swizzled()
   dtype = q.dtype
   group = num_heads // num_kv_heads
-  common = dict(mods=mods, block_q=block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,
-                group=group)
-  # The segment arrays' refs follow the ten inputs; the kernels take them as `segment_refs`.
-  with_segments = functools.partial(_mosaic.with_extra_refs, inputs=10, count=len(segment_arrays),
+  common = dict(qk_scale=scale * LOG2_E, scale=scale, mods=mods, block_q=block_q,
+                block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv, group=group)
+  # The segment arrays' refs follow the eight inputs; the kernels take them as `segment_refs`.
+  with_segments = functools.partial(_mosaic.with_extra_refs, inputs=8, count=len(segment_arrays),
                                     to_keywords=lambda refs: dict(segment_refs=tuple(refs)))
   params = plgpu.CompilerParams(approx_math=True)
   threads = dict(num_threads=NUM_CONSUMERS + 1, thread_name="wg")
-  # Both kernels' products take dS in float16, their operands scaled by powers of two
-  # (mosaic.float16_dq).
-  f16 = float16_dq_operands(q, k, v, do, lse2, delta, scale=scale)
+  operands = (q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays)
 
   splits = head_splits(k.shape, group, config, causal=mods.is_causal, sm_count=sm_count)
   key_tiles = cta_key_tiles(head_dim)
-  owned = lambda dtype_: plgpu.SMEM((key_tiles * block_kv, head_dim), dtype_, **swizzled)  # noqa: E731
-  ring = lambda dtype_: plgpu.SMEM((config.num_stages, block_q, head_dim), dtype_, **swizzled)  # noqa: E731
+  owned = plgpu.SMEM((key_tiles * block_kv, head_dim), dtype, **swizzled)
+  ring = plgpu.SMEM((config.num_stages, block_q, head_dim), dtype, **swizzled)
   stats_ring = plgpu.SMEM((config.num_stages, block_q), jnp.float32)
   partials_out = plgpu.SMEM((NUM_CONSUMERS, block_kv, out_columns(head_dim)), jnp.float32,
                             **_swizzled(4))
   partials = jax.ShapeDtypeStruct((splits * batch, *k.shape[1:]), jnp.float32)
-  scratch = [owned(jnp.float16), owned(dtype), ring(jnp.float16), ring(dtype), *[stats_ring] * 4,
-             partials_out,
+  scratch = [owned, owned, ring, ring, stats_ring, stats_ring, partials_out,
              plgpu.Barrier(num_barriers=key_tiles),
              plgpu.Barrier(num_barriers=key_tiles),
-             *[plgpu.Barrier(num_barriers=config.num_stages)] * 6,
+             *[plgpu.Barrier(num_barriers=config.num_stages)] * 4,
              plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages)]
   dkdv = functools.partial(_dkdv_kernel, splits=splits, num_stages=config.num_stages, **common)
   # Parts vary fastest: the first key blocks, which carry the most queries under the causal
@@ -467,21 +456,24 @@ def _launch(q_len, kv_len, q, k, v, do, lse2, delta, *segment_arrays,
   dkdv.__name__ = "mosaic_backward_dkdv"  # the name profiles show
   dk, dv = plgpu.kernel(with_segments(dkdv), out_type=(partials, partials),
                         scratch_types=scratch, compiler_params=params, **grid,
-                        **threads)(q_len, kv_len, f16.q, f16.k, v, do, lse2, delta,
-                                   f16.score_scale, f16.ds_scale, *segment_arrays)
-  # The parts' float32 partial sums, added in a fixed order; dK's scale undone.
-  dk, dv = (x.reshape(splits, *k.shape).sum(axis=0) for x in (dk, dv))
-  dk, dv = (dk * f16.dk_scale[:, None, :, None]).astype(dtype), dv.astype(dtype)
+                        **threads)(*operands)
+  # The parts' float32 partial sums, added in a fixed order.
+  dk, dv = (x.reshape(splits, *k.shape).sum(axis=0).astype(dtype) for x in (dk, dv))
 
   num_q_tiles = seq_q_pad // (NUM_CONSUMERS * block_q)
   dq_kernel = functools.partial(_dq_kernel, num_q_tiles=num_q_tiles, num_stages=config.dq_stages,
-                                **common)
+                                **{k: v for k, v in common.items() if "scale" not in k})
   dq_kernel.__name__ = "mosaic_backward_dq"
+  # dQ's product takes dS in float16, its operands scaled by powers of two (mosaic.float16_dq).
+  f16 = float16_dq_operands(q, k, v, do, lse2, delta, scale=scale)
   f16_ring = plgpu.SMEM((config.dq_stages, block_kv, head_dim), jnp.float16, **swizzled)
   kv_ring = plgpu.SMEM((config.dq_stages, block_kv, head_dim), dtype, **swizzled)
   stats_owned = plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32)
+  dq_with_segments = functools.partial(_mosaic.with_extra_refs, inputs=10,
+                                       count=len(segment_arrays),
+                                       to_keywords=lambda refs: dict(segment_refs=tuple(refs)))
   dq = plgpu.kernel(
-      with_segments(dq_kernel), out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      dq_with_segments(dq_kernel), out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       scratch_types=[plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), jnp.float16, **swizzled),
                      plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), dtype, **swizzled),
                      *[stats_owned] * 4, f16_ring, kv_ring,

@@ -72,11 +72,11 @@ class MosaicBackwardConfig:
       return count * round_up(math.prod(shape) * size, SMEM_ALIGNMENT)
 
     stages, key_tiles = self.num_stages, cta_key_tiles(head_dim)
-    dkv = (buffers(2, key_tiles * self.block_kv, head_dim)  # K (float16) and V
-           + buffers(2, stages, self.block_q, head_dim)  # the Q (float16) and dO ring
-           + buffers(4, stages, self.block_q, size=4)  # LSE, delta and two scales
+    dkv = (buffers(2, key_tiles * self.block_kv, head_dim)  # K and V
+           + buffers(2, stages, self.block_q, head_dim)  # the Q and dO ring
+           + buffers(2, stages, self.block_q, size=4)  # the LSE and delta ring
            + buffers(1, NUM_CONSUMERS, self.block_kv, out_columns(head_dim), size=4)  # staging
-           + BARRIER_BYTES * (2 * key_tiles + 7 * stages))
+           + BARRIER_BYTES * (2 * key_tiles + 5 * stages))
     dq = (buffers(2, NUM_CONSUMERS, self.block_q, head_dim)  # each consumer's Q and dO
           + buffers(4, NUM_CONSUMERS, self.block_q, size=4)  # LSE, delta and two scales
           + buffers(2, self.dq_stages, self.block_kv, head_dim)  # the K and V ring

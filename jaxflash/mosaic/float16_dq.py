@@ -1,29 +1,20 @@
-"""The operands of the Mosaic backward's dQ and dK products in float16, scaled by powers of two.
+"""The operands of the Mosaic backward's dQ product in float16, scaled by powers of two.
 
-Both products multiply dS by a 16-bit operand on the tensor cores (dQ += dS K, dK += dS^T Q),
-whose two operands share one type. In bfloat16, dS keeps 8 significant bits; on rows where
-one key dominates, which way one rounding of dS falls set dQ's largest error to 1.47x cuDNN's
-and dK's to 1.52x (bench/PERFORMANCE.md, "Accuracy on hard inputs"). float16 keeps 11, at the
-price of range (largest 65504, normal down to 2^-14). Scaling by powers of two is exact in
-float16 and float32, so:
+The dQ kernel multiplies dS by K on the tensor cores, whose two operands share one 16-bit
+type. In bfloat16, dS keeps 8 significant bits; on rows where one key dominates, which way
+one rounding of dS falls moved dQ's largest error to 1.47x cuDNN's (bench/PERFORMANCE.md,
+"Accuracy on hard inputs"). float16 keeps 11, at the price of range (largest 65504, normal
+down to 2^-14). Scaling by powers of two is exact in float16 and float32, so:
 
 * Q16 = Q 2^-a (a per row and query head) and K16 = K 2^-e (e per sequence and KV head),
   each scaled below 2^15: a bfloat16 or float16 value (at most 11 significant bits) is held
   exactly, so the float32 sums Q16 K16^T are the scores S times 2^-(a+e), rounded as S is;
-  both kernels compute S from them;
-* for dQ (a sum over keys, one row), dS is scaled by 2^r per row and query head, r from the
-  bound |dS_ts| = P_ts |dP_ts - delta_t| <= |dO_t| max_s |V_s| + |delta_t| (Cauchy-Schwarz;
-  P <= 1), so dS 2^r < 2^15;
-* for dK (a sum over every row of a KV head's group), dS_ts 2^(a_t + g) multiplies Q16_t:
-  the products are dS_ts Q_t 2^g, one scale g per sequence and KV head, the largest with
-  a_t + g <= r_t on every row (so dS 2^(a+g) < 2^15 too). Rows scaled further than their own
-  bound needs lose bits only below 2^-14, where they add less than 2^-24 of dK's largest
-  terms.
+* dS is scaled by 2^r per row and query head, r from the bound |dS_ts| = P_ts |dP_ts -
+  delta_t| <= |dO_t| max_s |V_s| + |delta_t| (Cauchy-Schwarz; P <= 1), so dS 2^r < 2^15.
 
-The kernels undo them: P = exp2(S16 * score_scale - lse2) with score_scale = (scale log2 e)
-2^(a+e) (the dK/dV kernel), P 2^r with lse2 - r (the dQ kernel); dQ = sum_s (dS 2^r)_s K16_s
-* out_scale, out_scale = scale 2^(e-r); dK = sum_t (dS 2^(a+g))_t Q16_t * dk_scale, dk_scale
-= scale 2^-g. NaN anywhere stays NaN.
+The kernel undoes them: P 2^r = exp2(S16 * score_scale - lse2), with score_scale = (scale
+log2 e) 2^(a+e) and lse2 = LSE log2 e - r, and dQ = sum_s (dS 2^r)_s K16_s * out_scale, with
+out_scale = scale 2^(e-r). NaN anywhere stays NaN.
 """
 from __future__ import annotations
 
@@ -46,8 +37,6 @@ class Float16DQOperands(NamedTuple):
   score_scale: object  # [B, N, T] float32: scale log2(e) 2^(a+e)
   lse2: object  # [B, N, T] float32: the base-2 LSE minus r (+inf stays +inf)
   out_scale: object  # [B, N, T] float32: scale 2^(e-r)
-  ds_scale: object  # [B, N, T] float32: 2^(a+g), dS's scale in the dK product
-  dk_scale: object  # [B, K] float32: scale 2^-g
 
 
 def exponent_above(x):
@@ -74,15 +63,7 @@ def float16_dq_operands(q, k, v, do, lse2, delta, *, scale: float) -> Float16DQO
   qk_scale = f32(scale * LOG2_E)  # as the kernels take it
   score_scale = jnp.ldexp(qk_scale, a.transpose(0, 2, 1) + e_heads)
   out_scale = jnp.ldexp(f32(scale), e_heads - r)
-  a_rows = a.transpose(0, 2, 1)  # [B, N, T]
-  batch, kv_heads = k.shape[0], k.shape[2]
-  g = jnp.min((r - a_rows).reshape(batch, kv_heads, -1), axis=-1)  # [B, K]
-  g = jnp.clip(g, -R_LIMIT, R_LIMIT)
-  ds_scale = jnp.ldexp(f32(1), jnp.clip(a_rows + jnp.repeat(g, group, axis=1)[:, :, None],
-                                        -R_LIMIT, R_LIMIT))
-  dk_scale = jnp.ldexp(f32(scale), -g)
-  return Float16DQOperands(q16, k16, score_scale, lse2 - r.astype(f32), out_scale, ds_scale,
-                           dk_scale)
+  return Float16DQOperands(q16, k16, score_scale, lse2 - r.astype(f32), out_scale)
 
 
 def float16_dq_reference(operands: Float16DQOperands, v, do, delta, visible=None):
@@ -101,24 +82,3 @@ def float16_dq_reference(operands: Float16DQOperands, v, do, delta, visible=None
   ds = (p * (dp - delta[..., None])).astype(jnp.float16).astype(f32)
   dq = jnp.einsum("bnts,bsnh->btnh", ds, k16)
   return dq * operands.out_scale.transpose(0, 2, 1)[..., None]
-
-
-def float16_dk_reference(operands: Float16DQOperands, lse2, v, do, delta, visible=None):
-  """dK [B, S, K, H] float32 from the operands, computed as the dK/dV kernel computes it
-  (scores from Q16 K16^T, P from the unshifted base-2 LSE `lse2` [B, N, T], dS 2^(a+g)
-  rounded to float16, summed over the rows of each KV head's group); for the tests."""
-  f32 = jnp.float32
-  batch, seq_kv, kv_heads, head_dim = operands.k.shape
-  group = operands.q.shape[2] // kv_heads
-  k16 = jnp.repeat(operands.k, group, axis=2).astype(f32)
-  v_ = jnp.repeat(v, group, axis=2).astype(f32)
-  s = jnp.einsum("btnh,bsnh->bnts", operands.q.astype(f32), k16)
-  if visible is not None:
-    s = jnp.where(visible, s, -jnp.inf)
-  p = jnp.exp2(s * operands.score_scale[..., None] - lse2[..., None])
-  dp = jnp.einsum("btnh,bsnh->bnts", do.astype(f32), v_)
-  ds = p * (dp - delta[..., None]) * operands.ds_scale[..., None]
-  ds = ds.astype(jnp.float16).astype(f32)
-  dk = jnp.einsum("bnts,btnh->bsnh", ds, operands.q.astype(f32))  # per query head
-  dk = dk.reshape(batch, seq_kv, kv_heads, group, head_dim).sum(axis=3)
-  return dk * operands.dk_scale[:, None, :, None]
