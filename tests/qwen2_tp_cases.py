@@ -125,7 +125,8 @@ def _decode_step(sampler, cache_kind: str):
   """Prefill + one decode step by hand: (shardings of the new cache, its pool shape, of the
   cache before the step and after it, the step's compiled HLO, whether its projections run
   the skinny kernel)."""
-  greedy = qwen2.SamplingParams()
+  # As generate passes them (device scalars): its compiled prefill serves this one too.
+  greedy = qwen2.SamplingParams().as_arrays()
   eos = jnp.asarray([-1], jnp.int32)
   batch = len(PROMPTS)
   lengths = np.array([len(p) for p in PROMPTS], np.int32)

@@ -38,9 +38,13 @@ def model():
 @pytest.fixture(autouse=True)
 def _full_precision():
   """On a GPU, XLA's float32 dots default to TF32, enough to flip a greedy token between a
-  chunked and a whole prefill; on the CPU this changes nothing."""
-  with jax.default_matmul_precision("highest"):
-    yield
+  chunked and a whole prefill; on the CPU this changes nothing. Set globally, not with the
+  thread-local context manager, so that an EngineLoop's own thread runs the same precision
+  (and the same compiled steps) as the test's thread."""
+  previous = jax.config.jax_default_matmul_precision
+  jax.config.update("jax_default_matmul_precision", "highest")
+  yield
+  jax.config.update("jax_default_matmul_precision", previous)
 
 
 def _prompts(lengths, seed):
@@ -202,8 +206,11 @@ def _sampled(engine, seeds, prompts=None):
 
 def test_sampling_is_reproducible_in_company_and_after_preemption(model):
   """A request's sampled tokens depend on its seed only: the same alone, in company and after
-  preemption."""
-  alone = _sampled(_engine(model, max_slots=1), [1])[0]
+  preemption. Alone and in company on engines of one configuration (the same compiled
+  steps), whose small pool preempts only in company."""
+  alone_engine = _engine(model, num_pages=10)
+  alone = _sampled(alone_engine, [1])[0]
+  assert alone_engine.stats.get("preemptions", 0) == 0
   crowded = _engine(model, num_pages=10)
   together = _sampled(crowded, [1, 2, 3])
   assert crowded.stats["preemptions"] > 0
