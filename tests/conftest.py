@@ -16,7 +16,6 @@ programs), so two things keep a compilation from being paid twice:
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import pathlib
@@ -29,22 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-
-def _cpu_only_install() -> bool:
-  """No accelerator plugin installed: JAX can only run on the CPU here."""
-  return not any(importlib.util.find_spec(name) for name in
-                 ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin"))
-
-
-# On a CPU-only install the suite's programs are compiled with LLVM's optimizations off (before
-# the backend starts, so this process, the xdist workers and the forced-devices subprocesses
-# all read it). The suite is mostly XLA compiling interpreted kernels that then run once on
-# small shapes: -O0 compiles them about a quarter faster, and their speed is not under test.
-# The HLO passes (sharding, fusion, buffer donation, which some tests read) and the float
-# semantics (no fast math) are the same at every LLVM level.
-if _cpu_only_install() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 HAS_GPU = jax.default_backend() == "gpu"
 NUM_DEVICES = jax.device_count()
