@@ -6,7 +6,8 @@ jaxflash's error against a float32 reference at HIGHEST precision, next to cuDNN
 and the gradients of query, key and value. Causal attention throughout.
 
 Errors: the output and the LSE as the largest absolute difference; each gradient as the largest
-absolute difference over the largest |reference gradient|. Rows a sequence length pads out are
+absolute difference over the largest |reference gradient| (floored at 2^-8 of the case's largest
+reference gradient, so a gradient the reference makes ~0 is not measured against ~0). Rows a sequence length pads out are
 left out (their values are unspecified in cuDNN). A NaN or infinity where the reference is
 finite is recorded as the error "nan" (JSON has no NaN). jax.nn rounds cuDNN's LSE to bf16, so its LSE
 error is not reported (null); the LSE is compared with the Triton kernel's instead.
@@ -261,9 +262,21 @@ def _provider_fn(provider: str, window: int | None):
   return run
 
 
-def max_error(x, ref, valid, *, relative: bool) -> float:
-  """Largest |x - ref| over the valid rows ([B, n] or None), over max |ref| when `relative`;
-  NaN when x holds a NaN or an infinity where the reference is finite."""
+# A gradient is measured against its largest reference entry, but never against less than
+# bf16's resolution (2^-8) of the case's largest gradient: where every row saturates on one key
+# the reference dQ and dK are ~1e-20, and dividing by that reads float32 noise as an error.
+GRADIENT_FLOOR = 2.0 ** -8
+
+
+def _largest(x, valid) -> float:
+  x = np.asarray(x, np.float64)
+  x = x if valid is None else x[np.asarray(valid)]
+  return float(np.max(np.abs(x[np.isfinite(x)]), initial=0.0))
+
+
+def max_error(x, ref, valid, *, scale: float | None = None) -> float:
+  """Largest |x - ref| over the valid rows ([B, n] or None), over `scale` when given; NaN when
+  x holds a NaN or an infinity where the reference is finite."""
   x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
   if valid is not None:
     keep = np.asarray(valid)
@@ -272,20 +285,25 @@ def max_error(x, ref, valid, *, relative: bool) -> float:
   if not np.all(np.isfinite(x[finite])):
     return math.nan
   err = float(np.max(np.abs(x[finite] - ref[finite]), initial=0.0))
-  if relative:
-    err /= max(float(np.max(np.abs(ref[finite]), initial=0.0)), np.finfo(np.float32).tiny)
-  return err
+  return err if scale is None else err / max(scale, np.finfo(np.float32).tiny)
+
+
+def gradient_scales(case: Case, ref) -> dict:
+  """{dq, dk, dv: the denominator of that gradient's error}: max |reference gradient|, floored
+  at GRADIENT_FLOOR times the case's largest reference gradient."""
+  rows = query_rows(case)
+  largest = {which: _largest(r, rows) for which, r in zip(WHICH, ref) if which.startswith("d")}
+  floor = GRADIENT_FLOOR * max(largest.values())
+  return {which: max(value, floor) for which, value in largest.items()}
 
 
 def errors(case: Case, got, ref) -> dict:
   """{which: error} for one provider's (out, lse, dq, dk, dv)."""
   rows = query_rows(case)  # queries = keys per sequence, so the same mask serves dK and dV
+  scales = gradient_scales(case, ref)
   result = {}
   for which, x, r in zip(WHICH, got, ref):
-    if x is None:
-      result[which] = None
-      continue
-    result[which] = max_error(x, r, rows, relative=which.startswith("d"))
+    result[which] = None if x is None else max_error(x, r, rows, scale=scales.get(which))
   return result
 
 

@@ -66,9 +66,21 @@ def test_max_error_masks_padding_and_flags_nan():
   ref = np.array([[1.0, 2.0, 0.0]])
   got = np.array([[1.5, 2.0, 9.0]])
   valid = np.array([[True, True, False]])
-  assert accuracy.max_error(got, ref, valid, relative=False) == 0.5
-  assert accuracy.max_error(got, ref, valid, relative=True) == 0.25
-  assert np.isnan(accuracy.max_error(np.array([[np.nan, 2.0, 0.0]]), ref, None, relative=False))
+  assert accuracy.max_error(got, ref, valid) == 0.5
+  assert accuracy.max_error(got, ref, valid, scale=2.0) == 0.25
+  assert np.isnan(accuracy.max_error(np.array([[np.nan, 2.0, 0.0]]), ref, None))
+
+
+def test_a_gradient_near_zero_is_measured_against_the_floor():
+  """Where the reference dQ is ~1e-20 (every row saturated on one key), its error is taken over
+  2^-8 of the case's largest reference gradient, not over ~0."""
+  case = accuracy.Case("normal", 4, 8)
+  ones = np.ones((1, 4, 1, 8))
+  ref = (ones, ones[..., 0], 1e-20 * ones, 0.5 * ones, 4.0 * ones)
+  scales = accuracy.gradient_scales(case, ref)
+  assert scales == {"dq": 4.0 * 2.0 ** -8, "dk": 0.5, "dv": 4.0}
+  got = (ones, ones[..., 0], 1e-20 * ones + 1e-6, 0.5 * ones, 4.0 * ones)
+  assert accuracy.errors(case, got, ref)["dq"] == pytest.approx(1e-6 / (4.0 * 2.0 ** -8))
 
 
 def test_a_run_in_parts_merges_into_one_file_of_one_commit(tmp_path, monkeypatch):
