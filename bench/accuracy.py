@@ -20,6 +20,7 @@ offset; a very negative first key block; ragged lengths; sliding windows; packed
 
   python -m bench.accuracy [--quick] [--out DIR]
   python -m bench.accuracy --kinds normal,peaky --merge   # a part of the run, kept beside the rest
+  python -m bench.accuracy --shapes dominant_key:16384:128,peaky:16384:128   # those cases only
 """
 from __future__ import annotations
 
@@ -391,6 +392,9 @@ COLUMNS = [("case", "case"), ("n", "n"), ("d", "d"), ("heads", "heads N/K"), ("b
 def _arguments(parser):
   parser.add_argument("--kinds", default=None,
                       help="comma-separated input classes to run (default: all), e.g. normal,dominant_key")
+  parser.add_argument("--shapes", default=None,
+                      help="comma-separated kind:n:d; only the full run's cases of those (every "
+                           "margin, position and head count), e.g. dominant_key:16384:128")
   parser.add_argument("--merge", action="store_true",
                       help="keep the other cases' rows of an existing accuracy.json of the same commit "
                            "(a long run split over several calls)")
@@ -418,6 +422,9 @@ def collect(args, run: runner.Run) -> tuple[list[dict], list[str]]:
     if unknown:
       raise SystemExit(f"--kinds: no input class {sorted(unknown)}")
     cases = [c for c in cases if c.kind in kinds]
+  if args.shapes:
+    shapes = {(c.kind, c.n, c.d) for c in parse_cases(args.shapes)}
+    cases = [c for c in cases if (c.kind, c.n, c.d) in shapes]
   earlier = _earlier_rows(run)
   runner.log(f"compiling {len(cases)} cases' programs")
   compile_cases(cases)

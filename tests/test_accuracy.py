@@ -100,6 +100,14 @@ def test_a_run_in_parts_merges_into_one_file_of_one_commit(tmp_path, monkeypatch
     accuracy.main(["--quick", "--kinds", "nosuch", "--out", str(tmp_path)])
 
 
+def test_shapes_pick_cases_by_kind_length_and_head_dim(tmp_path, monkeypatch):
+  tiny = [accuracy.Case("normal", 32, 32), accuracy.Case("peaky", 32, 32), accuracy.Case("peaky", 48, 32)]
+  monkeypatch.setattr(accuracy, "quick_cases", lambda: tiny)
+  accuracy.main(["--quick", "--shapes", "peaky:48:32", "--out", str(tmp_path)])
+  rows = json.loads((tmp_path / "accuracy.json").read_text())["rows"]
+  assert {(r["case"], r["n"]) for r in rows} == {("peaky", 48)} and len(rows) == len(accuracy.WHICH)
+
+
 def test_a_nan_error_is_written_as_nan_not_as_missing(monkeypatch):
   case = accuracy.Case("normal", 32, 32)
   real = accuracy.provider_call
