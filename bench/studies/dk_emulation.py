@@ -27,12 +27,13 @@ from bench.studies.rounding_emulation import LOG2_E, MOSAIC, POLICIES, _bf16, em
 
 ROW_CHUNK = 2048
 TRITON = "running max, float32 sums (Triton)"
+MOSAIC_OUT_LOW = "Mosaic, output kept as out + out_low"
 EXACT_BF16, EXACT_F32 = "exact, rounded to bf16", "exact, float32"
 # dS before dK += dS^T Q -> its dtype (None: float32)
 DS_DTYPES = {"bf16": "bfloat16", "float16": np.float16, "float32": None}
-VARIANTS = [(TRITON, "bf16"), (MOSAIC, "bf16"), (EXACT_BF16, "bf16"), (EXACT_F32, "bf16"),
-            (TRITON, "float16"), (MOSAIC, "float16"), (EXACT_BF16, "float16"), (EXACT_F32, "float16"),
-            (EXACT_F32, "float32")]
+VARIANTS = [(TRITON, "bf16"), (MOSAIC, "bf16"), (MOSAIC_OUT_LOW, "bf16"), (EXACT_BF16, "bf16"),
+            (EXACT_F32, "bf16"), (TRITON, "float16"), (MOSAIC, "float16"), (MOSAIC_OUT_LOW, "float16"),
+            (EXACT_BF16, "float16"), (EXACT_F32, "float16"), (EXACT_F32, "float32")]
 
 
 def _round(x, dtype):
@@ -88,9 +89,11 @@ def study_case(case: accuracy.Case, heads) -> list[dict]:
     kh, vh = k[0, :, head // group], v[0, :, head // group]
     out64, lse64, dk64 = exact(qh, kh, vh, doh)
     positions = np.arange(case.n)
-    forwards = {name: emulated_forward(qh, kh, vh, positions, block=POLICIES[name][0],
-                                       fixed_reference=POLICIES[name][1], rounded_sums=POLICIES[name][2])
-                for name in (TRITON, MOSAIC)}
+    forwards = {}
+    for name in (TRITON, MOSAIC, MOSAIC_OUT_LOW):
+      block, fixed, rounded, low = POLICIES[name]
+      forwards[name] = emulated_forward(qh, kh, vh, positions, block=block, fixed_reference=fixed,
+                                        rounded_sums=rounded, out_low=low)
     forwards[EXACT_BF16] = (_bf16(out64.astype(np.float32)), lse64.astype(np.float32))
     forwards[EXACT_F32] = (out64.astype(np.float32), lse64.astype(np.float32))
     dk_max = float(np.abs(dk64).max())

@@ -32,11 +32,13 @@ from bench.report import STUDIES_DIR, write_results
 
 LOG2_E = np.float32(np.log2(np.e))
 # policy -> (key block, subtract a fixed reference in the blocks a row sees whole, divide the
-# output by the sums of P rounded to bf16)
+# output by the sums of P rounded to bf16, keep the float32 output to ~16 bits as out + out_low
+# for the backward instead of rounding it to bf16)
 POLICIES = {
-    "running max, float32 sums (Triton)": (64, False, False),
-    "running max, rounded sums": (128, False, True),
-    "fixed reference, rounded sums (Mosaic)": (128, True, True),
+    "running max, float32 sums (Triton)": (64, False, False, False),
+    "running max, rounded sums": (128, False, True, False),
+    "fixed reference, rounded sums (Mosaic)": (128, True, True, False),
+    "Mosaic, output kept as out + out_low": (128, True, True, True),
 }
 BACKWARD_BLOCK = 64
 # dS before the dQ product -> (its dtype, or None for float32; fold the scale in before the
@@ -58,9 +60,11 @@ def _visible(rows, start: int, size: int):
   return np.arange(start, start + size)[None, :] <= rows[:, None]
 
 
-def emulated_forward(q, k, v, rows, *, block: int, fixed_reference: bool, rounded_sums: bool):
+def emulated_forward(q, k, v, rows, *, block: int, fixed_reference: bool, rounded_sums: bool,
+                     out_low: bool = False):
   """q [R, d] (the queries at positions `rows`), k, v [n, d] float32 holding bf16 values ->
-  (out [R, d] rounded to bf16, natural-log LSE [R] float32)."""
+  (out [R, d] rounded to bf16, or with `out_low` bf16(out) + bf16(out - bf16(out)),
+  natural-log LSE [R] float32)."""
   num_rows, d = q.shape
   c = np.float32(d ** -0.5) * LOG2_E
   m = np.full(num_rows, -np.inf, np.float32)
@@ -84,7 +88,9 @@ def emulated_forward(q, k, v, rows, *, block: int, fixed_reference: bool, rounde
     acc = acc * alpha[:, None] + p_tile @ v_blk
     m = m_new
   out = acc / (sums_rounded if rounded_sums else sums_f32)[:, None]
-  return _bf16(out), ((m + np.log2(sums_f32)) / LOG2_E).astype(np.float32)
+  high = _bf16(out)
+  kept = high + _bf16(out - high) if out_low else high
+  return kept, ((m + np.log2(sums_f32)) / LOG2_E).astype(np.float32)
 
 
 def emulated_dq(q, k, v, d_out, out, lse, rows, ds_rounding: str = KERNELS_DS):
@@ -142,9 +148,9 @@ def study_case(case: accuracy.Case, num_rows: int, starts=None) -> list[dict]:
       forwards = {}
       for name, ds_rounding in variants:
         if name not in forwards:
-          block, fixed, rounded = POLICIES[name]
+          block, fixed, rounded, low = POLICIES[name]
           forwards[name] = emulated_forward(qh, kh, vh, rows, block=block, fixed_reference=fixed,
-                                            rounded_sums=rounded)
+                                            rounded_sums=rounded, out_low=low)
         out, lse = forwards[name]
         error = np.abs(emulated_dq(qh, kh, vh, doh, out, lse, rows, ds_rounding) - dq64)
         dq_exact_out = emulated_dq(qh, kh, vh, doh, _bf16(out64.astype(np.float32)), lse, rows, ds_rounding)
