@@ -252,7 +252,11 @@ def prefill_attention(query: Array, key: Array, value: Array, query_seq_lengths:
                              is_causal=mods.is_causal, local_window_size=mods.window,
                              return_residual=True, config=config, interpret=interpret)
 
-  out, lse = _differentiable(_mosaic_forward(kernel), query, key, value,
+  def forward(q, k, v, o: vjp.Options, with_lse):
+    del with_lse
+    return kernel(q, k, v, o.q_lengths, o.kv_lengths, **_segment_kwargs(o))
+
+  out, lse = _differentiable(forward, query, key, value,
                              vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
                                          kv_segment_ids=kv_segment_ids),
                              mods=mods, backward_implementation=backward_implementation,
@@ -266,20 +270,6 @@ def _check_implementation(implementation) -> str | None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   return "triton" if implementation == "pallas" else implementation
-
-
-def _mosaic_forward(kernel):
-  """The Mosaic prefill (`kernel`, return_residual=True) as a jaxflash.vjp forward: it keeps
-  out_low for the backward."""
-
-  def forward(q, k, v, o: vjp.Options, for_backward):
-    run = functools.partial(kernel, return_out_low=for_backward)
-    out, lse, *out_low = sharding.prefill(
-        run, q, k, v, o.q_lengths, o.kv_lengths, **_segment_kwargs(o),
-        result_dims=sharding.RESULTS_WITH_OUT_LOW if for_backward else sharding.RESULTS)
-    return out, lse, (out_low[0] if out_low else None)
-
-  return forward
 
 
 def _segment_kwargs(options: vjp.Options) -> dict:
@@ -416,10 +406,12 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       # The Mosaic forward, differentiated by the backward vjp.choose_backward picks
       # (mosaic_reason let only bottom-right semantics here).
       result = _differentiable(
-          _mosaic_forward(kernel), query, key, value,
-          vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
-                      kv_segment_ids=kv_segment_ids), mods=mods,
-          backward_implementation=backward_implementation, static_scale=static_scale)
+          lambda q, k, v, o, _: sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths,
+                                                 **_segment_kwargs(o)),
+          query, key, value, vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
+                                         kv_segment_ids=kv_segment_ids), mods=mods,
+          backward_implementation=backward_implementation,
+          static_scale=static_scale)
   elif own_kernels and static_scale is not None and _decode_semantics(query, q_lengths, mods):
     # Only the options given reach the decode kernels (each a keyword they take): the
     # arrays as operands, the static ones bound here.
@@ -440,11 +432,11 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
       kernel = functools.partial(decode_attention, **static)
       # One query token at its sequence's last position: its gradient is the prefill
       # backward's with T = 1 (the same math).
-      def forward(q, k, v, o: vjp.Options, for_backward):
-        del for_backward
+      def forward(q, k, v, o: vjp.Options, with_lse):
+        del with_lse
         arrays = {name: x for name, x in dict(bias=o.bias, mask=o.mask, sinks=o.sinks).items()
                   if x is not None}
-        return *sharding.decode(kernel, q, k, v, o.kv_lengths, **arrays), None
+        return sharding.decode(kernel, q, k, v, o.kv_lengths, **arrays)
       result = _differentiable(forward, query, key, value,
                                vjp.Options(None, kv_lengths, scale=static_scale, **options),
                                # One query row a sequence: the Triton backward.
@@ -468,9 +460,9 @@ def _attention(query, key, value, bias, mask, scale, query_seq_lengths, key_valu
                              segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mods=mods,
                              return_residual=True, config=config, interpret=None)
 
-    def forward(q, k, v, o: vjp.Options, for_backward):
-      del for_backward
-      return *sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths, **o.arrays()), None
+    def forward(q, k, v, o: vjp.Options, with_lse):
+      del with_lse
+      return sharding.prefill(kernel, q, k, v, o.q_lengths, o.kv_lengths, **o.arrays())
     result = _differentiable(forward, query, key, value,
                              vjp.Options(q_lengths, kv_lengths, scale=scale, segment_ids=segment_ids,
                                          kv_segment_ids=kv_segment_ids, **options), mods=mods,
@@ -583,7 +575,7 @@ def _cudnn(query, key, value, q_lengths, kv_lengths, block_table, *, mods: Score
 
 def _differentiable(forward, query, key, value, options, *, mods: ScoreMods, backward_implementation,
                     static_scale: float | None, backward_config=None):
-  """forward (jaxflash/vjp.py's protocol) differentiated by the backward
+  """forward (jaxflash/vjp.py's protocol, returning (out, lse)) differentiated by the backward
   `vjp.choose_backward` picks for the call (the Mosaic GPU one needs `static_scale`); both
   sharding-aware."""
   backward = vjp.choose_backward(backward_implementation, query, key, value, options, mods=mods,

@@ -265,10 +265,9 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
                                  mods=mods, static_scale=static_scale, config=backward_config,
                                  interpret=interpret)
 
-  def forward(q, k, v, options: vjp.Options, for_backward):
-    del for_backward
-    return *prefill_forward(q, k, v, options.q_lengths, options.kv_lengths, **options.arrays(),
-                            mods=mods, return_residual=True, config=config, interpret=interpret), None
+  def forward(q, k, v, options: vjp.Options, with_lse):
+    return prefill_forward(q, k, v, options.q_lengths, options.kv_lengths, **options.arrays(),
+                           mods=mods, return_residual=with_lse, config=config, interpret=interpret)
 
   return vjp.with_backward(forward, query, key, value, options, backward=backward,
                            return_residual=return_residual)

@@ -73,7 +73,6 @@ PAGED_OPERANDS = (("b", "t", "n", "h"),  # query [B, 1, N, H]
 PAGED_PREFILL_OPERANDS = PAGED_OPERANDS + (("b",),)  # + query_seq_lengths [B]
 RESULTS = (("b", "t", "n", "h"),  # out [B, T, N, H]
            ("b", "t", "n"))       # lse [B, T, N]
-RESULTS_WITH_OUT_LOW = RESULTS + (("b", "t", "n", "h"),)  # + out_low [B, T, N, H]
 BACKWARD_OPERANDS = DENSE_OPERANDS + (("b", "t", "n", "h"),  # out [B, T, N, H]
                                       ("b", "t", "n"),       # lse [B, T, N]
                                       ("b", "t", "n", "h"),  # d_out [B, T, N, H]
@@ -91,16 +90,15 @@ OPTION_DIMS = {"bias": ("b", "n", "t", "s"), "mask": ("b", "n", "t", "s"), "sink
                "scale": (), "segment_ids": ("b", "t"), "kv_segment_ids": ("b", "s")}
 
 
-def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
-            result_dims=RESULTS, **options):
-  """kernel(query, key, value, q_lengths, kv_lengths, **options) -> (out, lse), or the
-  results `result_dims` names (RESULTS_WITH_OUT_LOW), sharding-aware.
+def prefill(kernel, query, key, value, query_seq_lengths=None, key_value_seq_lengths=None,
+            **options):
+  """kernel(query, key, value, q_lengths, kv_lengths, **options) -> (out, lse), sharding-aware.
 
   query [B, T, N, H], key/value [B, S, K, H], lengths [B] or None; options: arrays named
   in OPTION_DIMS (None: absent).
   """
   return _call(kernel, DENSE_OPERANDS,
-               (query, key, value, query_seq_lengths, key_value_seq_lengths), options, result_dims)
+               (query, key, value, query_seq_lengths, key_value_seq_lengths), options)
 
 
 def prefill_backward(kernel, query, key, value, query_seq_lengths, key_value_seq_lengths, out, lse,

@@ -5,18 +5,13 @@ Protocol (any kernel with the out and natural-log LSE of `jaxflash.reference` fo
 options the pair is built with: the Pallas-Triton prefill, the Mosaic GPU prefill, the
 decode kernels):
 
-    forward(q, k, v, options: Options, for_backward) -> (out, lse, out_low)
+    forward(q, k, v, options: Options, with_lse) -> out, or (out, lse) when with_lse
     backward(q, k, v, options: Options, out, lse, d_out, d_lse) -> (dq, dk, dv, ds)
 
-out_low is None, or (a kernel that keeps it, asked `for_backward`) the float32 output minus
-out, rounded to out's dtype. ds is the float32 [B, N, T, S] score gradient (None without a
-bias). Differentiated, the residuals are the inputs, out, out_low and the LSE (O(n) memory:
-the scores are recomputed, as FlashAttention-2's Algorithm 2), and the backward's `out` is
-out + out_low in float32 where out_low exists: delta = rowsum(dO * O) then carries ~16 bits
-of O instead of bf16's 8, which sets dK's error where a row's dS nearly sums to zero (one
-dominant key: bench/studies/dk_emulation.py). XLA fuses that sum into delta's reduction.
-bias, sinks and scale get their gradients in XLA (`jaxflash.option_grads`). Not
-differentiated, only the forward runs.
+ds is the float32 [B, N, T, S] score gradient (None without a bias). Differentiated, the
+residuals are the inputs, out and the LSE (O(n) memory: the scores are recomputed, as
+FlashAttention-2's Algorithm 2); bias, sinks and scale get their gradients in XLA
+(`jaxflash.option_grads`). Not differentiated, only the forward runs.
 """
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from jaxflash import prefill_backward, sharding
 from jaxflash.option_grads import option_grads
@@ -81,17 +75,14 @@ def with_backward(forward: Callable, query, key, value, options: Options, *, bac
 
   @jax.custom_vjp
   def attend(q, k, v, options):
-    out, lse, _ = forward(q, k, v, options, False)
-    return (out, lse) if return_residual else out
+    return forward(q, k, v, options, return_residual)
 
   def attend_fwd(q, k, v, options):
-    out, lse, out_low = forward_for_vjp(q, k, v, options)
-    return ((out, lse) if return_residual else out), (q, k, v, options, out, lse, out_low)
+    out, lse = forward_for_vjp(q, k, v, options)
+    return ((out, lse) if return_residual else out), (q, k, v, options, out, lse)
 
   def attend_bwd(residuals, cotangent):
-    q, k, v, options, out, lse, out_low = residuals
-    if out_low is not None:
-      out = out.astype(jnp.float32) + out_low.astype(jnp.float32)
+    q, k, v, options, out, lse = residuals
     d_out, d_lse = cotangent if return_residual else (cotangent, None)
     dq, dk, dv, ds = backward(q, k, v, options, out, lse, d_out, d_lse)
     d_bias, d_sinks, d_scale = option_grads(q, dq, lse, (out, d_out, d_lse), bias=options.bias,

@@ -429,12 +429,11 @@ def test_prefill_attention_routes_to_mosaic_and_differentiates(monkeypatch, rng)
   calls = []
 
   def stand_in(q, k, v, q_len, kv_len, *, scale, is_causal, local_window_size, return_residual,
-               config, interpret, return_out_low=False):
+               config, interpret):
     calls.append(dict(scale=scale, is_causal=is_causal, window=local_window_size, config=config))
     assert return_residual and not interpret
-    out, lse = triton_prefill(q, k, v, q_len, kv_len, scale=scale, is_causal=is_causal,
-                              local_window_size=local_window_size, return_residual=True)
-    return (out, lse, jnp.zeros_like(out)) if return_out_low else (out, lse)
+    return triton_prefill(q, k, v, q_len, kv_len, scale=scale, is_causal=is_causal,
+                          local_window_size=local_window_size, return_residual=True)
 
   monkeypatch.setattr(ATTENTION, "mosaic_reason", lambda *args, **kwargs: None)
   monkeypatch.setattr(jaxflash.mosaic, "prefill_attention", stand_in)

@@ -8,7 +8,6 @@ table, the guarded import and the argument checks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import chex
 import jax
@@ -289,38 +288,6 @@ def test_configs(config, rng):
   q, k, v = _qkv(rng, 1, 384, 384, 4, 2, 128, BF16)
   out, lse = _run(q, k, v, is_causal=True, config=config)
   _check(out, lse, q, k, v, is_causal=True)
-
-
-@gpu
-@SM90_ONLY
-@pytest.mark.parametrize("head_dim,config,overflow", [
-    (128, FIXED, True), (128, SMALL, False), (64, THREE_SUMMED_FIXED, True), (64, PAIR, False),
-    (256, dataclasses.replace(RESCALED, fixed_reference=True), True)],
-    ids=lambda x: str(x) if isinstance(x, (int, bool)) else _config_id(x))
-def test_out_low_keeps_the_float32_output(head_dim, config, overflow, rng):
-  """return_out_low: out is the same as without it; out_low is the float32 output's remainder
-  (within half an ulp of out), so out + out_low lands nearer the float64 output than out on
-  average; ragged rows are zero in both, and the fixed reference's second pass rewrites
-  out_low with the tiles it recomputes."""
-  q, k, v = _qkv(rng, 2, 900, 900, 6, 2, head_dim, BF16)
-  if overflow:  # tiles of sequence 0 from key 700 on are recomputed by the second pass
-    q = (q.astype(F32) + 1.0).astype(BF16)
-    k = k.at[0, 700:].add(30.0)
-  q_lengths = jnp.array([900, 611], jnp.int32)
-  run = functools.partial(prefill_attention, q, k, v, q_lengths, q_lengths, is_causal=True,
-                          return_residual=True, config=config)
-  out, lse, out_low = run(return_out_low=True)
-  plain, plain_lse = run()
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
-  np.testing.assert_array_equal(np.asarray(lse), np.asarray(plain_lse))
-  chex.assert_equal_shape([out, out_low])
-  chex.assert_type(out_low, BF16)
-  ref, _ = attention_f64(q, k, v, q_lengths=q_lengths, kv_lengths=q_lengths, is_causal=True)
-  high, low = np.asarray(out, np.float64), np.asarray(out_low, np.float64)
-  half_ulp = np.where(high == 0, 0.0, np.exp2(np.floor(np.log2(np.abs(high) + (high == 0))) - 8))
-  assert np.all(np.abs(low) <= half_ulp)
-  assert np.abs(high + low - ref).mean() < 0.8 * np.abs(high - ref).mean()
-  assert not low[1, 611:].any() and not high[1, 611:].any()
 
 
 def _dominant_key_inputs(rng, seq, heads, kv_heads, head_dim, margin_nats=60.0):
@@ -604,22 +571,3 @@ def test_kernel_traces_on_this_jax(config, window, monkeypatch):
   monkeypatch.setattr(mosaic.forward, "device_info", lambda: H200)
   lowered = jax.jit(run).trace(q, kv, kv, lengths, lengths).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
-
-
-@NEEDS_MOSAIC
-@pytest.mark.parametrize("shape", [(1, 4096, 12, 2, 128), (2, 300, 7, 1, 64)], ids=["4k-fixed", "d64"])
-def test_out_low_lowers_for_cuda(shape, monkeypatch):
-  """Off the GPU the kernel cannot run, but with return_out_low it traces and lowers for CUDA:
-  a third output, written through the output tile after out's store, in both passes of the
-  fixed reference (4K keys at d = 128) and in the plain one."""
-  from jaxflash.mosaic import forward
-  monkeypatch.setattr(_mosaic, "on_gpu", lambda: True)
-  monkeypatch.setattr(forward, "device_info", lambda: H200)
-  b, n, heads, kv_heads, h = shape
-  q = jax.ShapeDtypeStruct((b, n, heads, h), BF16)
-  kv = jax.ShapeDtypeStruct((b, n, kv_heads, h), BF16)
-  run = functools.partial(prefill_attention, is_causal=True, return_residual=True, return_out_low=True)
-  out, lse, out_low = jax.eval_shape(run, q, kv, kv)
-  assert (out.shape, lse.shape, out_low.shape) == (q.shape, q.shape[:3], q.shape)
-  text = jax.jit(run).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == (2 if n >= 4096 else 1)

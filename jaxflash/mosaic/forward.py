@@ -28,11 +28,6 @@ built the way FlashAttention-3 (Shah et al., 2024, arXiv 2407.08608) builds it f
   outside are never loaded, so a window w costs O(n w).
 * Caches or page pools (mosaic.tiles): with a block table the producer copies each key
   block's tiles from the pool's pages in place, one TMA copy per page it spans.
-* For the backward (`return_out_low`), the output's float32 value is kept to ~16 bits as
-  out + out_low, out_low its remainder rounded to bf16/fp16, written through the same output
-  buffer after out's store has read it: FlashAttention-2's backward (Dao, 2023, Algorithm 2)
-  takes delta = rowsum(dO * O), and O rounded to 8 bits makes delta's error the largest one
-  of dK where a row's dS sums nearly to zero (bench/studies/dk_emulation.py).
 * Persistent CTAs (pipeline.TileScheduler): one CTA per SM walks the query tiles, and the
   producer's K/V ring runs on from one tile into the next, so a tile's first loads overlap
   the last one's final steps and store.
@@ -73,12 +68,11 @@ class _Consumer:
   """One consumer warpgroup of the forward kernel: for each of its CTA's query tiles, its
   block_q rows' attention over the key blocks the producer streams through the ring."""
 
-  def __init__(self, *, wg, q_ref, o_ref, lse_ref, o_low_ref, io_smem, lse_smem, q_ready,
-               retry_ref, scheduler: TileScheduler, blocks: KeyBlocks, ring: KVRing,
-               turns: TurnOrder, mask: KeyMask, softmax: OnlineSoftmax, block_q, block_kv,
-               num_consumers, overlap_softmax, separate_output):
+  def __init__(self, *, wg, q_ref, o_ref, lse_ref, io_smem, lse_smem, q_ready, retry_ref,
+               scheduler: TileScheduler, blocks: KeyBlocks, ring: KVRing, turns: TurnOrder,
+               mask: KeyMask, softmax: OnlineSoftmax, block_q, block_kv, num_consumers,
+               overlap_softmax, separate_output):
     self.wg, self.q_ref, self.o_ref, self.lse_ref = wg, q_ref, o_ref, lse_ref
-    self.o_low_ref = o_low_ref
     self.lse_smem, self.q_ready, self.retry_ref = lse_smem, q_ready, retry_ref
     # Each consumer's Q tile, and its output tile (the Q tile's buffer again, unless a
     # separate output buffer is given).
@@ -326,10 +320,7 @@ class _Consumer:
     inv_l = 1.0 / jnp.where(attended, l_out, 1.0)
     shape = (block_q, head_dim)
     keep = (iota(shape, 0) < q_valid - q_base) & rows_bcast(attended, shape)
-    out = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0)
-    out_high = out.astype(self.dtype)
-    out_low = None if self.o_low_ref is None else (out - out_high.astype(jnp.float32)).astype(self.dtype)
-    self.o_tile[...] = out_high
+    self.o_tile[...] = jnp.where(keep, acc * rows_bcast(inv_l, shape), 0.0).astype(self.dtype)
     # m and log2(l) are base 2: ln 2 converts back to the natural-log LSE.
     lse = jnp.where(attended, m_i * LN_2 + jnp.log(jnp.where(attended, l_lse, 1.0)), -jnp.inf)
     self.lse_smem[self.wg] = jnp.where(overflowed, jnp.nan, lse) if softmax.fixed_reference else lse
@@ -337,11 +328,6 @@ class _Consumer:
     plgpu.copy_smem_to_gmem(self.o_tile, self.o_ref.at[batch, pl.ds(q_base, block_q), head])
     plgpu.copy_smem_to_gmem(self.lse_smem.at[self.wg],
                             self.lse_ref.at[batch, head, pl.ds(q_base, block_q)])
-    if out_low is not None:
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the store above has read the buffer
-      self.o_tile[...] = out_low
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(self.o_tile, self.o_low_ref.at[batch, pl.ds(q_base, block_q), head])
 
 
 def _forward_kernel(
@@ -362,7 +348,6 @@ def _forward_kernel(
     schedule,  # barrier, one arrival per consumer: the pair's turns (without the overlap)
     *,
     retry_ref=None,  # [B * N * num_q_tiles] int32 GMEM, the second pass only: tiles to redo
-    o_low_ref=None,  # [B, T_pad, N, H] GMEM (return_out_low): the float32 output minus o_ref's
     segment_refs=None,  # packed documents: ([B, T_pad], [B, S_pad], [B, T_pad // block_q, 4])
                         # int32 GMEM, segment ids of queries and keys and their block ranges
     table_ref=None,  # [B, max_pages] int32 GMEM: a page pool's block table (k_ref, v_ref are
@@ -413,8 +398,7 @@ def _forward_kernel(
   def _consumer():
     plgpu.set_max_registers(consumer_registers, action="increase")
     consumer = _Consumer(
-        wg=wg, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, o_low_ref=o_low_ref, io_smem=io_smem,
-        lse_smem=lse_smem,
+        wg=wg, q_ref=q_ref, o_ref=o_ref, lse_ref=lse_ref, io_smem=io_smem, lse_smem=lse_smem,
         q_ready=q_ready, retry_ref=retry_ref, scheduler=scheduler, blocks=blocks, ring=ring,
         turns=TurnOrder(overlap_softmax, num_consumers, schedule, wg),
         mask=KeyMask(mods, block_q, block_kv, segments),
@@ -442,13 +426,12 @@ def _forward_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "return_residual",
-                              "return_out_low", "config", "interpret"))
+    jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "return_residual", "config",
+                              "interpret"))
 def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_lengths=None, *,
                       scale=None, is_causal=False, local_window_size=None, segment_ids=None,
                       kv_segment_ids=None, block_table=None, return_residual=False,
-                      return_out_low=False, config: MosaicPrefillConfig | None = None,
-                      interpret: bool | None = None):
+                      config: MosaicPrefillConfig | None = None, interpret: bool | None = None):
   """FlashAttention-3 style forward pass on sm_90 (Pallas Mosaic GPU).
 
   query [B, T, N, H]; key, value [B, S, K, H] with N a multiple of K (query head n reads
@@ -463,9 +446,7 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
   query tile's are never loaded. Rows that see no key give zeros (LSE -inf); rows that see
   a NaN give NaN, as jax.nn does. Returns out [B, T, N, H] in the query's dtype, and with
   `return_residual` the natural-log LSE [B, T, N] float32 too: the same function as
-  `jaxflash.prefill_attention`. `return_out_low` (with return_residual) adds out_low
-  [B, T, N, H] in out's dtype, the float32 output minus out: out + out_low carries ~16 bits,
-  for the backward's delta = rowsum(dO * O).
+  `jaxflash.prefill_attention`.
 
   block_table [B, max_pages] int32 (optional): key and value are then page pools
   [num_pages, page_size, K, H] (page_size a power of two from 8), logical page j of sequence
@@ -508,12 +489,10 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
       raise ValueError("config.tensor_core_row_sums needs V^T with rows of ones, which a page "
                        "pool (block_table) does not have")
 
-  if return_out_low and not return_residual:
-    raise ValueError("return_out_low=True needs return_residual=True (the backward's residuals)")
   if 0 in (batch, seq_q, num_heads) or seq_kv == 0:
     out = jnp.zeros(query.shape, query.dtype)
     lse = jnp.full(query.shape[:3], -jnp.inf, jnp.float32)
-    return _results(out, lse, jnp.zeros_like(out), return_residual, return_out_low)
+    return (out, lse) if return_residual else out
 
   block_q, block_kv = config.block_q, config.block_kv
   num_consumers = config.num_consumers
@@ -602,16 +581,13 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     kernel.__name__ = "mosaic_prefill"  # the name profiles show
     out_type = (jax.ShapeDtypeStruct(q.shape, query.dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, seq_q_pad), jnp.float32))
-    out_type += (jax.ShapeDtypeStruct(q.shape, query.dtype),) * return_out_low
     mesh = dict(grid=(num_ctas,), grid_names=("cta",), num_threads=num_consumers + 1,
                 thread_name="wg")
-    with_outputs = _with_out_low(kernel) if return_out_low else kernel
-    outputs = plgpu.kernel(_mosaic.with_extra_refs(with_outputs, 5, len(extra_arrays), extra_refs),
-                           out_type=out_type, scratch_types=scratch, compiler_params=compiler_params,
-                           **mesh)(q_len, kv_len, q, k, v, *extra_arrays)
+    out, lse = plgpu.kernel(_mosaic.with_extra_refs(kernel, 5, len(extra_arrays), extra_refs),
+                            out_type=out_type, scratch_types=scratch, compiler_params=compiler_params,
+                            **mesh)(q_len, kv_len, q, k, v, *extra_arrays)
     if not fixed_reference:
-      return outputs
-    lse = outputs[1]
+      return out, lse
     # Second pass: the tiles with a row whose fixed reference overflowed (NaN LSE), and
     # only those, run again with the running max, written over the first pass's out and LSE.
     rows_valid = jnp.arange(seq_q_pad)[None, :] < jnp.clip(q_len, 0, seq_q)[:, None]  # [B, T_pad]
@@ -620,55 +596,40 @@ def prefill_attention(query, key, value, query_seq_lengths=None, key_value_seq_l
     retry = retry.astype(jnp.int32).reshape(-1)  # [B * N * tiles]
 
     def recompute(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, retry_ref, *refs):
-      extra, output_refs = refs[:len(extra_arrays)], refs[len(extra_arrays):]
-      o_ref, lse_ref, *o_low_ref = output_refs
+      *extra, o_ref, lse_ref = refs
       pl.run_scoped(
           lambda *scratch_refs: kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
                                        *scratch_refs, retry_ref=retry_ref, fixed_reference=False,
-                                       o_low_ref=o_low_ref[0] if o_low_ref else None,
                                        **extra_refs(extra)),
           *scratch, collective_axes="wg")
 
-    def second_pass(output_refs):
+    def second_pass(refs):
       # pl.kernel (not plgpu.kernel) takes the output refs as operands: it writes into the
       # first pass's buffers in place.
+      o_ref, lse_ref = refs
       pl.kernel(recompute, out_type=(), mesh=plgpu.Mesh(**mesh), compiler_params=compiler_params,
                 name="mosaic_prefill_recompute")(q_len, kv_len, q, k, v, retry, *extra_arrays,
-                                                 *output_refs)
+                                                 o_ref, lse_ref)
 
-    return pl.run_state(second_pass)(tuple(outputs))
+    return pl.run_state(second_pass)((out, lse))
 
   @run_kernels.def_vmap
   def _vmap_rule(axis_size, in_batched, *args):
     # Under jax.vmap the mapped axis joins the batch (run_state has no batching rule).
     args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
             for x, batched in zip(args, in_batched)]
-    outputs = run_kernels(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+    out, lse = run_kernels(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
     unfold = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
-    return tuple(map(unfold, outputs)), (True,) * len(outputs)
+    return (unfold(out), unfold(lse)), (True, True)
 
-  out, lse, *out_low = run_kernels(q_len, kv_len, q, k, v, *extra_arrays)
+  out, lse = run_kernels(q_len, kv_len, q, k, v, *extra_arrays)
 
+  out = out[:, :seq_q]
+  if not return_residual:
+    return out
   rows_valid = jnp.arange(seq_q)[None, :] < jnp.clip(q_len, 0, seq_q)[:, None]  # [B, T]
   lse = jnp.where(rows_valid[:, :, None], jnp.swapaxes(lse[:, :, :seq_q], 1, 2), -jnp.inf)
-  return _results(out[:, :seq_q], lse, out_low[0][:, :seq_q] if out_low else None,
-                  return_residual, return_out_low)
-
-
-def _results(out, lse, out_low, return_residual: bool, return_out_low: bool):
-  if return_out_low:
-    return out, lse, out_low
-  return (out, lse) if return_residual else out
-
-
-def _with_out_low(kernel):
-  """`kernel` for plgpu.kernel with a third output ref, out_low, after out's and the LSE's."""
-
-  def with_ref(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, o_low_ref, *scratch, **kw):
-    kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, o_low_ref=o_low_ref, **kw)
-
-  with_ref.__name__ = kernel.__name__
-  return with_ref
+  return out, lse
 
 
 def _check_inputs(query, key, value) -> None:
