@@ -7,8 +7,8 @@ and the gradients of query, key and value. Causal attention throughout.
 
 Errors: the output and the LSE as the largest absolute difference; each gradient as the largest
 absolute difference over the largest |reference gradient| (floored at 2^-8 of the case's largest
-reference gradient, so a gradient the reference makes ~0 is not measured against ~0). Rows a sequence length pads out are
-left out (their values are unspecified in cuDNN). A NaN or infinity where the reference is
+reference gradient, so a gradient the reference makes ~0 is not measured against ~0). Rows a
+sequence length pads out are left out (their values are unspecified in cuDNN). A NaN or infinity where the reference is
 finite is recorded as the error "nan" (JSON has no NaN). jax.nn rounds cuDNN's LSE to bf16, so its LSE
 error is not reported (null); the LSE is compared with the Triton kernel's instead.
 
@@ -425,6 +425,8 @@ def collect(args, run: runner.Run) -> tuple[list[dict], list[str]]:
   if args.shapes:
     shapes = {(c.kind, c.n, c.d) for c in parse_cases(args.shapes)}
     cases = [c for c in cases if (c.kind, c.n, c.d) in shapes]
+    if not cases:
+      raise SystemExit(f"--shapes: no case of the run has the shapes {args.shapes!r}")
   earlier = _earlier_rows(run)
   runner.log(f"compiling {len(cases)} cases' programs")
   compile_cases(cases)

@@ -106,6 +106,8 @@ def test_shapes_pick_cases_by_kind_length_and_head_dim(tmp_path, monkeypatch):
   accuracy.main(["--quick", "--shapes", "peaky:48:32", "--out", str(tmp_path)])
   rows = json.loads((tmp_path / "accuracy.json").read_text())["rows"]
   assert {(r["case"], r["n"]) for r in rows} == {("peaky", 48)} and len(rows) == len(accuracy.WHICH)
+  with pytest.raises(SystemExit, match="--shapes"):
+    accuracy.main(["--quick", "--shapes", "peaky:64:32", "--out", str(tmp_path)])
 
 
 def test_a_nan_error_is_written_as_nan_not_as_missing(monkeypatch):
